@@ -1,0 +1,47 @@
+"""The Backend contract: report KV capacity, execute one Batch, hand back sampled tokens."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+from schedulers.batch import Batch, ExecuteOutput
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Paged KV capacity: `num_blocks` blocks of `block_size` token slots each."""
+
+    num_blocks: int
+    block_size: int
+
+
+class Backend(abc.ABC):
+    """Executes iterations. Never decides batch membership.
+
+    Implementations run on the engine thread only; `execute` is called with a Batch whose
+    sequences' block tables already cover every scheduled token.
+    """
+
+    #: HF-compatible tokenizer (encode / decode / convert_ids_to_tokens / apply_chat_template)
+    tokenizer: Any
+    #: served context window in tokens (prompt + completion)
+    max_model_len: int
+    #: token ids that end generation unless `ignore_eos`
+    eos_token_ids: frozenset[int]
+
+    @property
+    @abc.abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Number and size of KV blocks this backend allocated."""
+
+    @abc.abstractmethod
+    def execute(self, batch: Batch) -> ExecuteOutput:
+        """Run one iteration over `batch` and sample for every sequence that completes."""
+
+    def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
+        """Forget per-sequence state (sampler generators, penalty counts) of a finished seq."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free device memory; the backend is not used afterwards."""

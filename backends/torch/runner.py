@@ -1,0 +1,217 @@
+"""The torch backend: turns a Batch into flat tensors, runs the paged forward, samples.
+
+Construct it either from a model reference::
+
+    TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
+                      kv_cache_fraction=None, block_size=16, max_model_len=None,
+                      max_num_seqs=256)
+
+or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
+
+    TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
+                 kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256)
+
+`device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
+bf16 on cuda and fp32 on cpu. The model is moved and cast in place. KV sizing: see kv_cache.py
+(`max_num_seqs` only caps the KV cache: it never holds more than that many full contexts).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from backends.base import Backend, KVCacheSpec
+from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
+from backends.torch.loader import DEFAULT_MODEL, check_architecture, load_model
+from backends.torch.model import AttentionMetadata, PagedCausalLM
+from backends.torch.sampler import Sampler
+from schedulers.batch import Batch, ExecuteOutput
+from schedulers.block_manager import blocks_for
+
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """One iteration's flat inputs: every scheduled token of every sequence, concatenated."""
+
+    input_ids: torch.Tensor  # (N,) int64
+    positions: torch.Tensor  # (N,) int64
+    meta: AttentionMetadata
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'bfloat16', 'float16', 'float32'")
+    return resolved
+
+
+def eos_token_ids_of(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config (int or list) plus the tokenizer's own."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class TorchBackend(Backend):
+    """Selective batching over a paged KV cache on one torch device (see module docstring)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        *,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        kv_cache_gb: float | None = None,
+        kv_cache_fraction: float | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    ) -> None:
+        check_architecture(type(model).__name__)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        # in place, like nn.Module.to; transformers' decorator hides the signature from mypy
+        model.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
+        self.hf_model = model.eval()
+        config = model.config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.eos_token_ids = eos_token_ids_of(model, tokenizer)
+        layout = KVLayout(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=model.model.layers[0].self_attn.head_dim,
+            block_size=block_size,
+            dtype=self.dtype,
+        )
+        budget = kv_budget_bytes(self.device, kv_cache_gb, kv_cache_fraction)
+        num_blocks = plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
+        self.kv_cache = KVCache(layout, num_blocks, self.device)
+        self.model = PagedCausalLM(model, self.kv_cache)
+        self.sampler = Sampler(config.vocab_size, self.device)
+
+    @classmethod
+    def load(
+        cls,
+        model: str = DEFAULT_MODEL,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        kv_cache_gb: float | None = None,
+        kv_cache_fraction: float | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    ) -> TorchBackend:
+        """Load `model` (see loader.py for what a reference may be) onto `device`."""
+        target = resolve_device(device)
+        hf_model, tokenizer = load_model(model, dtype=resolve_dtype(dtype, target))
+        return cls(
+            hf_model,
+            tokenizer,
+            device=device,
+            dtype=dtype,
+            kv_cache_gb=kv_cache_gb,
+            kv_cache_fraction=kv_cache_fraction,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+        )
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size)
+
+    def execute(self, batch: Batch) -> ExecuteOutput:
+        rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
+        logits = self.logits(batch, rows)
+        seqs = [batch.seqs[i] for i in rows]
+        if not seqs:
+            return ExecuteOutput()
+        sampled = self.sampler(logits, seqs)
+        return ExecuteOutput(
+            sampled={seq.seq_id: tok for seq, tok in zip(seqs, sampled, strict=True)}
+        )
+
+    def logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
+        """Run `batch` (writing its KV) and return float32 logits (B', V) at the last scheduled
+        token of `batch.seqs[rows]` (every sequence when `rows` is None)."""
+        inputs = self.prepare(batch)
+        indices = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, indices).float()
+
+    def prepare(self, batch: Batch) -> ModelInput:
+        """Flatten `batch` into token ids, positions and attention metadata on the device."""
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        q_lens = batch.num_scheduled_tokens
+        ctx_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+        token_ids = list(
+            itertools.chain.from_iterable(
+                seq.token_ids(s, c) for seq, s, c in zip(batch.seqs, starts, ctx_lens, strict=True)
+            )
+        )
+        bs = self.kv_cache.block_size
+        widths = [blocks_for(c, bs) for c in ctx_lens]
+        width = max(widths)
+        tables = [
+            seq.block_table[:w] + [0] * (width - w)
+            for seq, w in zip(batch.seqs, widths, strict=True)
+        ]
+        decodes = [i for i, n in enumerate(q_lens) if n == 1]
+        query_starts = tuple(itertools.accumulate(q_lens, initial=0))
+        q_len_t = torch.tensor(q_lens)
+        cu_seqlens_q = torch.tensor(query_starts)  # (B + 1,)
+        block_tables = torch.tensor(tables)  # (B, width)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_len_t)  # (N,)
+        offsets = torch.tensor(starts) - cu_seqlens_q[:-1]  # (B,) position minus flat row
+        positions = torch.arange(len(token_ids)) + offsets[seq_of_token]  # (N,)
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(
+            cu_seqlens_q=cu_seqlens_q.to(self.device),
+            context_lens=torch.tensor(ctx_lens, device=self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            block_tables=block_tables.to(self.device),
+            query_starts=query_starts[:-1],
+            seqlens_q=tuple(q_lens),
+            seqlens_k=tuple(ctx_lens),
+            decode_indices=torch.tensor(decodes, dtype=torch.long, device=self.device),
+            decode_max_blocks=max((widths[i] for i in decodes), default=0),
+            prefill_indices=tuple(i for i, n in enumerate(q_lens) if n > 1),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(token_ids, device=self.device),
+            positions=positions.to(self.device),
+            meta=meta,
+        )
+
+    def release(self, seq_id: int) -> None:
+        self.sampler.release(seq_id)
+
+    def close(self) -> None:
+        self.kv_cache.k.clear()
+        self.kv_cache.v.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,201 @@
+"""The Scheduler plug-in contract and the registry of policies by name."""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from schedulers.batch import Batch, ExecuteOutput
+from schedulers.block_manager import BlockManager, blocks_for
+from schedulers.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs shared by every policy (`batch_wait_ms` is read by `static` only)."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    batch_wait_ms: float = 0.0
+    enable_chunked_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+
+
+class AdmissionError(ValueError):
+    """A request that can never run here (too long for the context or the whole KV cache)."""
+
+    def __init__(self, message: str, code: str = "context_length_exceeded") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Scheduler(abc.ABC):
+    """Decides, once per iteration, which sequences run and how many tokens each computes.
+
+    Policies share the sequence state and the block manager; they differ only in whom they
+    admit and when. Not thread-safe: the engine calls it from its loop thread only.
+    """
+
+    name: str = ""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._iteration = 0
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Raise AdmissionError when `seq` could never run, even alone."""
+        total = seq.max_total_tokens
+        if total > self.config.max_model_len:
+            raise AdmissionError(
+                f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                f"However, you requested {total} tokens ({seq.num_prompt_tokens} in the "
+                f"prompt, {seq.sampling_params.max_tokens} for the completion). Please reduce "
+                "the prompt or max_tokens."
+            )
+        bm = self.block_manager
+        if blocks_for(total, bm.block_size) > bm.num_blocks:
+            raise AdmissionError(
+                f"The request needs {total} tokens of KV cache but the whole cache holds "
+                f"{bm.num_blocks * bm.block_size}. Please reduce the prompt or max_tokens."
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` (raises AdmissionError when it can never fit)."""
+        self.check_admissible(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Remove a waiting or running sequence, freeing its blocks; None if unknown."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self.finish(seq, FinishReason.ABORT)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Mark `seq` finished and free its KV blocks (the caller removed it from queues)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.finish_time = time.monotonic()
+        self.block_manager.free(seq)
+
+    # -- the iteration -----------------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        """Decide the next iteration."""
+        self._iteration += 1
+        batch = Batch(iteration=self._iteration)
+        self._schedule(batch)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        return batch
+
+    @abc.abstractmethod
+    def _schedule(self, batch: Batch) -> None:
+        """Fill `batch`, allocating KV blocks for every scheduled token."""
+
+    def update(self, batch: Batch, output: ExecuteOutput) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish and free; return finished."""
+        finished: list[Sequence] = []
+        now = time.monotonic()
+        for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += num_tokens
+            sampled = output.sampled.get(seq.seq_id)
+            if sampled is None:
+                continue
+            seq.output_token_ids.append(sampled.token_id)
+            seq.output_logprobs.append(sampled)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self.stop_reason(seq)
+            if reason is not None:
+                self.running.remove(seq)
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence) -> FinishReason | None:
+        """Token-level stop checks: EOS, stop token ids, max_tokens, context window."""
+        params = seq.sampling_params
+        last = seq.output_token_ids[-1]
+        if not params.ignore_eos and last in seq.eos_token_ids:
+            return FinishReason.STOP
+        if last in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish_running(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Finish a sequence found in a queue (stop string, step failure)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if not seq.is_finished:
+            self.finish(seq, reason, error)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def next_wakeup(self) -> float | None:
+        """Monotonic time at which an idle scheduler wants to be asked again (static's wait)."""
+        return None
+
+
+SchedulerFactory = Callable[[SchedulerConfig, BlockManager], Scheduler]
+_REGISTRY: dict[str, SchedulerFactory] = {}
+
+
+def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]]:
+    """Class decorator adding a policy to the registry under `name`."""
+
+    def decorate(cls: type[Scheduler]) -> type[Scheduler]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def available_schedulers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_scheduler(name: str, config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
+    """Build the policy registered as `name`."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown scheduler {name!r}; available: {', '.join(available_schedulers())}"
+        ) from None
+    return factory(config, block_manager)

@@ -1,0 +1,60 @@
+"""What one iteration runs (the scheduler's decision) and what the backend hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedulers.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class Batch:
+    """One iteration: each sequence with the number of tokens it computes this step.
+
+    Sequence `seqs[i]` computes tokens at positions
+    `[seqs[i].num_computed_tokens, seqs[i].num_computed_tokens + num_scheduled_tokens[i])`
+    of its prompt + output; its block table already covers them. It is sampled from when
+    that range reaches `seqs[i].num_tokens` (`samples_after[i]`); a chunked prefill that
+    stops short is not.
+    """
+
+    iteration: int
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def samples_after(self, i: int) -> bool:
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_scheduled_tokens[i] >= seq.num_tokens
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens scheduled for sequences still catching up (prefill or recompute)."""
+        return sum(
+            n
+            for seq, n in zip(self.seqs, self.num_scheduled_tokens, strict=True)
+            if seq.num_tokens - seq.num_computed_tokens > 1
+        )
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.total_tokens - self.num_prefill_tokens
+
+
+@dataclass
+class ExecuteOutput:
+    """One sampled token per sequence that completed its scheduled tokens, keyed by seq_id."""
+
+    sampled: dict[int, TokenLogprob] = field(default_factory=dict)

@@ -1,0 +1,364 @@
+"""The engine loop: schedule -> backend.execute -> update, on its own thread.
+
+The gateway talks to it from asyncio through `generate` (an async stream of outputs) and
+`abort`; tests and the CLI use `submit` with a plain callback. Commands cross threads
+through a lock-protected deque; the loop sleeps on an Event when it has nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+import schedulers.orca
+import schedulers.static  # noqa: F401 - registers the policies
+from backends.base import Backend
+from backends.detokenizer import IncrementalDetokenizer
+from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
+from schedulers.batch import Batch
+from schedulers.block_manager import BlockManager
+from schedulers.outputs import IterationRecord, RequestOutput
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import FinishReason, Sequence
+
+log = structlog.get_logger("carousel.engine")
+
+OutputSink = Callable[[RequestOutput], None]
+__all__ = ["AdmissionError", "Engine", "EngineDeadError", "OutputSink", "schedulers"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seqs: list[Sequence]
+    sink: OutputSink
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+
+
+class Engine:
+    """One scheduler and one backend, driven by a loop thread."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        scheduler: str = "orca",
+        config: SchedulerConfig | None = None,
+        *,
+        name: str = "default",
+        trace_capacity: int = 4096,
+    ) -> None:
+        config = config or SchedulerConfig()
+        max_model_len = min(config.max_model_len, backend.max_model_len)
+        self.config = dataclasses.replace(config, max_model_len=max_model_len)
+        spec = backend.kv_cache_spec
+        self.backend = backend
+        self.name = name
+        self.block_manager = BlockManager(spec.num_blocks, spec.block_size)
+        self.scheduler = create_scheduler(scheduler, self.config, self.block_manager)
+        self.trace: deque[IterationRecord] = deque(maxlen=trace_capacity)
+        self.iteration_listeners: list[Callable[[IterationRecord], None]] = []
+        self.finish_listeners: list[Callable[[Sequence], None]] = []
+        self.dead_reason: str | None = None
+        self._requests: dict[str, _Request] = {}
+        self._commands: deque[tuple[str, Any]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._seq_ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"carousel-engine-{self.name}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight end with an error."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all("the engine shut down before the request finished")
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # -- caller-facing API (any thread) --------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
+    ) -> None:
+        """Queue a request; `sink` is called on the engine thread with every output.
+
+        Raises AdmissionError at once when the request can never fit and EngineDeadError
+        when the loop is not running.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if not prompt_token_ids:
+            raise AdmissionError("the prompt is empty", code="invalid_prompt")
+        seqs = self._make_seqs(request_id, prompt_token_ids, params)
+        self.scheduler.check_admissible(seqs[0])
+        self._command("add", _Request(request_id, seqs, sink))
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit and stream outputs; closing the stream early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(output: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+
+        self.submit(request_id, prompt_token_ids, params, sink)
+        remaining = params.n
+        try:
+            while remaining:
+                output = await queue.get()
+                if output.finished:
+                    remaining -= 1
+                yield output
+        finally:
+            if remaining:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its KV blocks are freed at the start of the next iteration."""
+        self._command("abort", request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.block_manager.usage
+
+    # -- the loop (engine thread) --------------------------------------------------------
+
+    def _command(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            self._commands.append((kind, payload))
+        self._wake.set()
+
+    def _make_seqs(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[Sequence]:
+        seqs = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            seq_params = dataclasses.replace(params, seed=seed, n=1)
+            seqs.append(
+                Sequence(
+                    seq_id=next(self._seq_ids),
+                    request_id=request_id,
+                    prompt_token_ids=list(prompt_token_ids),
+                    sampling_params=seq_params,
+                    index=index,
+                    eos_token_ids=self.backend.eos_token_ids,
+                )
+            )
+        return seqs
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._drain_commands()
+                if not self.scheduler.has_work:
+                    self._wake.wait()
+                    continue
+                batch = self.scheduler.schedule()
+                if batch.is_empty:
+                    wake_at = self.scheduler.next_wakeup()
+                    timeout = 0.05 if wake_at is None else max(0.0, wake_at - time.monotonic())
+                    self._wake.wait(timeout)
+                    continue
+                self._step(batch)
+        except BaseException as exc:  # the loop itself failed: make it visible, fail everyone
+            self.dead_reason = f"engine loop died: {exc!r}"
+            log.exception("engine_loop_died", engine=self.name)
+            self._stopping = True
+            self._fail_all(self.dead_reason)
+
+    def _drain_commands(self) -> None:
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for kind, payload in commands:
+            if kind == "add":
+                self._add(payload)
+            else:
+                self._abort(payload)
+
+    def _add(self, request: _Request) -> None:
+        if request.request_id in self._requests:
+            self._finish_request_with_error(request, "duplicate request id")
+            return
+        try:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        except AdmissionError as exc:
+            for seq in request.seqs:
+                self.scheduler.finish_running(seq, FinishReason.ERROR, str(exc))
+            self._finish_request_with_error(request, str(exc))
+            return
+        tokenizer = self.backend.tokenizer
+        for seq in request.seqs:
+            request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
+                tokenizer, seq.prompt_token_ids, seq.sampling_params.stop
+            )
+        self._requests[request.request_id] = request
+
+    def _abort(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish_running(seq, FinishReason.ABORT)
+                self._emit(request, seq, [], final=True)
+
+    def _step(self, batch: Batch) -> None:
+        start_wall, start = time.time(), time.monotonic()
+        token_counts = (batch.num_prefill_tokens, batch.num_decode_tokens)
+        try:
+            output = self.backend.execute(batch)
+            self.scheduler.update(batch, output)
+        except Exception as exc:  # fail only this step's requests; the loop goes on
+            log.exception("engine_step_failed", engine=self.name, iteration=batch.iteration)
+            message = f"the engine failed while running this request: {exc!r}"
+            failed = [(self._requests.get(seq.request_id), seq) for seq in batch.seqs]
+            for request, seq in failed:
+                self.scheduler.finish_running(seq, FinishReason.ERROR, message)
+                if request is not None:
+                    self._emit(request, seq, [], final=True)
+            return
+        self._record(batch, token_counts, start_wall, time.monotonic() - start)
+        # NOTE: look requests up first: emitting a request's last choice forgets the request.
+        emits = [
+            (request, seq, sampled)
+            for seq, sampled in self._sampled_seqs(batch, output.sampled)
+            if (request := self._requests.get(seq.request_id)) is not None
+        ]
+        for request, seq, sampled in emits:
+            self._emit(request, seq, [sampled], final=seq.is_finished)
+
+    @staticmethod
+    def _sampled_seqs(batch: Batch, sampled: dict[int, Any]) -> list[tuple[Sequence, Any]]:
+        return [(seq, sampled[seq.seq_id]) for seq in batch.seqs if seq.seq_id in sampled]
+
+    def _emit(self, request: _Request, seq: Sequence, new: list[Any], final: bool) -> None:
+        detok = request.detokenizers.get(seq.seq_id)
+        token_ids = [t.token_id for t in new]
+        if detok is not None and token_ids and seq.finish_reason is not FinishReason.ABORT:
+            detok.add_tokens(token_ids)
+            if detok.stopped and not seq.is_finished:
+                self.scheduler.finish_running(seq, FinishReason.STOP)
+                final = True
+            if final:
+                detok.finish()
+        text = detok.take(final=final) if detok is not None else ""
+        want_logprobs = seq.sampling_params.logprobs is not None
+        output = RequestOutput(
+            request_id=request.request_id,
+            index=seq.index,
+            text=text,
+            token_ids=token_ids,
+            logprobs=list(new) if want_logprobs else [],
+            finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
+            error=seq.error if final else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+        )
+        if final:
+            self.backend.release(seq.seq_id)
+            for listener in self.finish_listeners:
+                listener(seq)
+            if all(s.is_finished for s in request.seqs):
+                self._requests.pop(request.request_id, None)
+        self._deliver(request, output)
+
+    def _deliver(self, request: _Request, output: RequestOutput) -> None:
+        try:
+            request.sink(output)
+        except Exception:  # a broken consumer must not stop the loop
+            log.exception("output_sink_failed", request_id=request.request_id)
+
+    def _finish_request_with_error(self, request: _Request, message: str) -> None:
+        for seq in request.seqs:
+            self._deliver(
+                request,
+                RequestOutput(
+                    request_id=request.request_id,
+                    index=seq.index,
+                    finish_reason=FinishReason.ERROR.value,
+                    error=message,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    arrival_time=seq.arrival_time,
+                ),
+            )
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            pending = [p for kind, p in self._commands if kind == "add"]
+            self._commands.clear()
+        for request in pending:
+            self._finish_request_with_error(request, message)
+        for request in list(self._requests.values()):
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish_running(seq, FinishReason.ERROR, message)
+                    self._emit(request, seq, [], final=True)
+        self._requests.clear()
+
+    def _record(
+        self, batch: Batch, token_counts: tuple[int, int], start_wall: float, duration: float
+    ) -> None:
+        record = IterationRecord(
+            iteration=batch.iteration,
+            start=start_wall,
+            duration_s=duration,
+            seq_ids=tuple(s.seq_id for s in batch.seqs),
+            request_ids=tuple(s.request_id for s in batch.seqs),
+            num_prefill_tokens=token_counts[0],
+            num_decode_tokens=token_counts[1],
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(batch.preempted),
+            kv_usage=self.block_manager.usage,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+        self.trace.append(record)
+        for listener in self.iteration_listeners:
+            listener(record)

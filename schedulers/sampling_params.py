@@ -1,0 +1,79 @@
+"""Per-request sampling parameters, shared by the scheduler, the sampler and the gateway."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence picks its next token and when it stops.
+
+    `temperature == 0` means greedy. `top_k == 0` and `top_p == 1.0` disable those filters.
+    `logprobs` is None for no logprobs, else the number of top alternatives (0..20) returned
+    beside the sampled token's own logprob. `seed` makes a request's samples reproducible
+    whatever its batch mates are.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        problems = list(self.problems())
+        if problems:
+            raise ValueError(problems[0][1])
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(param, message) for every invalid value; empty when all are valid."""
+        out: list[tuple[str, str]] = []
+        if self.max_tokens < 1:
+            out.append(("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"))
+        if not 0.0 <= self.temperature <= 2.0:
+            out.append(("temperature", f"temperature must be in [0, 2], got {self.temperature}"))
+        if not 0.0 < self.top_p <= 1.0:
+            out.append(("top_p", f"top_p must be in (0, 1], got {self.top_p}"))
+        if self.top_k < 0:
+            out.append(("top_k", f"top_k must be 0 (disabled) or positive, got {self.top_k}"))
+        if not 0.0 <= self.min_p <= 1.0:
+            out.append(("min_p", f"min_p must be in [0, 1], got {self.min_p}"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                out.append((name, f"{name} must be in [-2, 2], got {value}"))
+        if self.repetition_penalty <= 0.0:
+            out.append(("repetition_penalty", "repetition_penalty must be positive"))
+        for token_id, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                out.append(("logit_bias", f"logit_bias for {token_id} must be in [-100, 100]"))
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            out.append(("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"))
+        if self.n < 1:
+            out.append(("n", f"n must be at least 1, got {self.n}"))
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

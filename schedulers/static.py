@@ -1,0 +1,65 @@
+"""`static`: request-level batching, the Orca paper's baseline (FasterTransformer style)."""
+
+from __future__ import annotations
+
+import time
+
+from schedulers.base import Scheduler, register_scheduler
+from schedulers.batch import Batch
+from schedulers.block_manager import blocks_for
+from schedulers.sequence import SequenceStatus
+
+
+@register_scheduler("static")
+class StaticScheduler(Scheduler):
+    """Form a batch when nothing runs; run it until every member has finished.
+
+    A batch takes up to `max_num_seqs` waiting requests in arrival order, waiting up to
+    `batch_wait_ms` after the oldest arrived for it to fill. Formation reserves each
+    member's worst case (prompt + max_tokens) in KV blocks, as the baseline systems do, so a
+    running batch never runs out. Nobody joins meanwhile; a member that finishes early
+    returns at once and its seat stays empty until the whole batch is done.
+    """
+
+    def _schedule(self, batch: Batch) -> None:
+        if not self.running:
+            if not self._ready_to_form():
+                return
+            self._form_batch()
+        budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens)
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+
+    def _ready_to_form(self) -> bool:
+        if not self.waiting:
+            return False
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        deadline = self.waiting[0].arrival_time + self.config.batch_wait_ms / 1000.0
+        return time.monotonic() >= deadline
+
+    def _form_batch(self) -> None:
+        bm = self.block_manager
+        free_blocks = bm.num_free_blocks
+        prompt_tokens = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            reserve = blocks_for(seq.max_total_tokens, bm.block_size)
+            fits_budget = prompt_tokens + seq.num_prompt_tokens <= self.config.max_num_batched_tokens
+            if self.running and (reserve > free_blocks or not fits_budget):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            free_blocks -= reserve
+            prompt_tokens += seq.num_prompt_tokens
+
+    def next_wakeup(self) -> float | None:
+        if self.running or not self.waiting:
+            return None
+        return self.waiting[0].arrival_time + self.config.batch_wait_ms / 1000.0
