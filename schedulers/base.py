@@ -186,12 +186,19 @@ def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]
     return decorate
 
 
+def _load_builtin_policies() -> None:
+    import schedulers.orca
+    import schedulers.static  # noqa: F401 - importing registers them
+
+
 def available_schedulers() -> list[str]:
+    _load_builtin_policies()
     return sorted(_REGISTRY)
 
 
 def create_scheduler(name: str, config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
     """Build the policy registered as `name`."""
+    _load_builtin_policies()
     try:
         factory = _REGISTRY[name]
     except KeyError:

@@ -22,10 +22,19 @@ class Batch:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    #: tokens of sequences still catching up (prefill, chunked prefill or recompute)
+    num_prefill_tokens: int = 0
+    #: tokens of sequences computing just their last sampled token
+    num_decode_tokens: int = 0
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
+        """Schedule `num_tokens` of `seq` (classified now, before the step moves it on)."""
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_tokens)
+        if seq.num_output_tokens and seq.num_tokens - seq.num_computed_tokens == 1:
+            self.num_decode_tokens += num_tokens
+        else:
+            self.num_prefill_tokens += num_tokens
 
     @property
     def total_tokens(self) -> int:
@@ -38,19 +47,6 @@ class Batch:
     def samples_after(self, i: int) -> bool:
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_scheduled_tokens[i] >= seq.num_tokens
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Tokens scheduled for sequences still catching up (prefill or recompute)."""
-        return sum(
-            n
-            for seq, n in zip(self.seqs, self.num_scheduled_tokens, strict=True)
-            if seq.num_tokens - seq.num_computed_tokens > 1
-        )
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.total_tokens - self.num_prefill_tokens
 
 
 @dataclass

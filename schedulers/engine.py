@@ -19,8 +19,6 @@ from typing import Any
 
 import structlog
 
-import schedulers.orca
-import schedulers.static  # noqa: F401 - registers the policies
 from backends.base import Backend
 from backends.detokenizer import IncrementalDetokenizer
 from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
@@ -33,7 +31,7 @@ from schedulers.sequence import FinishReason, Sequence
 log = structlog.get_logger("carousel.engine")
 
 OutputSink = Callable[[RequestOutput], None]
-__all__ = ["AdmissionError", "Engine", "EngineDeadError", "OutputSink", "schedulers"]
+__all__ = ["AdmissionError", "Engine", "EngineDeadError", "OutputSink"]
 
 
 class EngineDeadError(RuntimeError):
@@ -248,7 +246,6 @@ class Engine:
 
     def _step(self, batch: Batch) -> None:
         start_wall, start = time.time(), time.monotonic()
-        token_counts = (batch.num_prefill_tokens, batch.num_decode_tokens)
         try:
             output = self.backend.execute(batch)
             self.scheduler.update(batch, output)
@@ -261,7 +258,7 @@ class Engine:
                 if request is not None:
                     self._emit(request, seq, [], final=True)
             return
-        self._record(batch, token_counts, start_wall, time.monotonic() - start)
+        self._record(batch, start_wall, time.monotonic() - start)
         # NOTE: look requests up first: emitting a request's last choice forgets the request.
         emits = [
             (request, seq, sampled)
@@ -342,17 +339,15 @@ class Engine:
                     self._emit(request, seq, [], final=True)
         self._requests.clear()
 
-    def _record(
-        self, batch: Batch, token_counts: tuple[int, int], start_wall: float, duration: float
-    ) -> None:
+    def _record(self, batch: Batch, start_wall: float, duration: float) -> None:
         record = IterationRecord(
             iteration=batch.iteration,
             start=start_wall,
             duration_s=duration,
             seq_ids=tuple(s.seq_id for s in batch.seqs),
             request_ids=tuple(s.request_id for s in batch.seqs),
-            num_prefill_tokens=token_counts[0],
-            num_decode_tokens=token_counts[1],
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_tokens,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(batch.preempted),

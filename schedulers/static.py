@@ -50,7 +50,8 @@ class StaticScheduler(Scheduler):
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             reserve = blocks_for(seq.max_total_tokens, bm.block_size)
-            fits_budget = prompt_tokens + seq.num_prompt_tokens <= self.config.max_num_batched_tokens
+            budget = self.config.max_num_batched_tokens
+            fits_budget = prompt_tokens + seq.num_prompt_tokens <= budget
             if self.running and (reserve > free_blocks or not fits_budget):
                 break
             self.waiting.popleft()

@@ -1,0 +1,291 @@
+"""Token sampler: logits [B, V] plus each sequence's SamplingParams -> one TokenLogprob per row.
+
+Per row, in order (vLLM / OpenAI semantics):
+  1. `logit_bias` is added (ids outside the vocab are ignored);
+  2. `repetition_penalty` (HF / vLLM) over prompt + output tokens: positive logits are divided
+     by it, negative ones multiplied;
+  3. `presence_penalty` and `frequency_penalty` (OpenAI) over output tokens:
+     `logit -= presence * (count > 0) + frequency * count`;
+  4. `temperature == 0` (below 1e-5, as in vLLM) takes the argmax; otherwise the logits are
+     divided by the temperature, then `top_k`, `top_p` and `min_p` mask tokens (logits tied
+     with the last kept one are kept), and one token is drawn by inverting the row's CDF at
+     a uniform from the sequence's own CPU `torch.Generator`.
+
+Logprobs (the sampled token's, and the top alternatives when asked) are those of
+`log_softmax` of the logits after steps 1-3: after bias and penalties, before temperature,
+top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of `-inf`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+
+import torch
+
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import Sequence, TokenLogprob
+
+_SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF  # torch.Generator.manual_seed takes 64-bit seeds
+# NOTE: top-p keeps a token while the mass sorted before it is below `top_p - _TOP_P_SLACK`,
+# so float rounding cannot keep one extra token when a prefix sums exactly to top_p.
+_TOP_P_SLACK = 1e-6
+# like vLLM, a temperature this small samples greedily (dividing by it would overflow)
+_GREEDY_BELOW = 1e-5
+# top-p first looks for each nucleus among this many largest logits (a top-k, not a full sort)
+_NUCLEUS_HEAD = 1024
+
+
+class Sampler:
+    """Samples one token per row of a logits batch; each sequence draws from its own generator.
+
+    A sequence's generator is seeded with its own `seed` (the engine gives choice i seed + i)
+    (so the n choices of one seeded request differ, as in vLLM), else with a random seed; it
+    lives until `release(seq_id)`. Generators stay on the CPU whatever `device` is: one draw
+    per sampled row, sent to the device in one copy, and the same seed gives the same
+    uniforms on every device. A row's sample depends only on its logits, its params and its
+    generator, never on its batch mates.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob]:
+        """Sample one token for each sequence from `logits` [B, V], row i for `seqs[i]`."""
+        if logits.shape[0] != len(seqs):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sequences")
+        if not seqs:
+            return []
+        params = [seq.sampling_params for seq in seqs]
+        logits = logits[:, : self.vocab_size].float()  # [B, V]
+        if any(p.logit_bias or p.has_penalties for p in params):
+            logits = logits.clone()
+            _apply_logit_bias(logits, params)
+            _apply_penalties(logits, seqs)
+        if all(_is_greedy(p) for p in params):
+            tokens = logits.argmax(dim=-1)  # [B]
+        else:
+            tokens = self._pick(logits, seqs)
+        log_norm = logits.logsumexp(dim=-1)  # [B]
+        token_logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - log_norm  # [B]
+        tops = _top_logprobs(logits, log_norm, params)
+        return [
+            TokenLogprob(token_id, logprob, top)
+            for token_id, logprob, top in zip(
+                tokens.tolist(), token_logprobs.tolist(), tops, strict=True
+            )
+        ]
+
+    def release(self, seq_id: int) -> None:
+        """Forget the generator of a finished sequence."""
+        self._generators.pop(seq_id, None)
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Token ids [B] for a batch mixing greedy and sampled rows."""
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        greedy = [i for i, seq in enumerate(seqs) if _is_greedy(seq.sampling_params)]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        sampled = [i for i, seq in enumerate(seqs) if not _is_greedy(seq.sampling_params)]
+        rows = torch.tensor(sampled, device=logits.device)
+        tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled])
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Draw one token id per row of `logits` [R, V] (all rows have temperature > 0)."""
+        params = [seq.sampling_params for seq in seqs]
+        temperature = _column([p.temperature for p in params], logits)
+        logits = logits / temperature  # [R, V]
+        floors = []
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            floors.append(_top_k_top_p_floor(logits, params))
+        if any(p.min_p > 0.0 for p in params):
+            floors.append(_min_p_floor(logits, params))
+        for floor in floors:
+            logits.masked_fill_(logits < floor, -math.inf)
+        uniforms = [self._uniform(seq) for seq in seqs]
+        return _inverse_cdf(logits.softmax(dim=-1), uniforms)
+
+    def _uniform(self, seq: Sequence) -> float:
+        """The next draw in [0, 1) from the sequence's generator."""
+        return torch.rand(1, dtype=torch.float64, generator=self._generator(seq)).item()
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        """The sequence's generator, created and seeded on first use."""
+        generator = self._generators.get(seq.seq_id)
+        if generator is None:
+            seed = seq.sampling_params.seed
+            seed = secrets.randbits(64) if seed is None else seed & _SEED_MASK
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            self._generators[seq.seq_id] = generator
+        return generator
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    """Whether the row takes the argmax (temperature 0, or too small to divide by)."""
+    return params.temperature < _GREEDY_BELOW
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """`values` as a float32 column [R, 1] on the device of `like`."""
+    return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Add each row's logit_bias in place; token ids outside [0, V) are ignored."""
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for row, p in enumerate(params):
+        for token_id, bias in p.logit_bias.items():
+            if 0 <= int(token_id) < vocab:
+                rows.append(row)
+                token_ids.append(int(token_id))
+                biases.append(float(bias))
+    if rows:
+        index = (
+            torch.tensor(rows, device=logits.device),
+            torch.tensor(token_ids, device=logits.device),
+        )
+        values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(index, values, accumulate=True)
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Apply repetition, presence and frequency penalties in place, only to rows that set them."""
+    rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.has_penalties]
+    if not rows:
+        return
+    penalized = [seqs[i] for i in rows]
+    params = [seq.sampling_params for seq in penalized]
+    row_index = torch.tensor(rows, device=logits.device)
+    sub = logits[row_index]  # [R, V]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = _token_counts([seq.all_token_ids() for seq in penalized], sub) > 0  # [R, V]
+        penalty = _column([p.repetition_penalty for p in params], sub)
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        counts = _token_counts([seq.output_token_ids for seq in penalized], sub)  # [R, V]
+        presence = _column([p.presence_penalty for p in params], sub)
+        frequency = _column([p.frequency_penalty for p in params], sub)
+        sub = sub - frequency * counts - presence * (counts > 0)
+    logits[row_index] = sub
+
+
+def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """How often each token id occurs in each row's list: float32 [R, V] (ids outside dropped)."""
+    counts = torch.zeros_like(like)
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=like.device)
+    token_ids = torch.tensor(
+        list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=like.device
+    )
+    row_ids = torch.repeat_interleave(torch.arange(len(token_lists), device=like.device), lengths)
+    valid = (token_ids >= 0) & (token_ids < like.shape[-1])
+    ones = torch.ones(int(valid.sum()), dtype=like.dtype, device=like.device)
+    counts.index_put_((row_ids[valid], token_ids[valid]), ones, accumulate=True)
+    return counts
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Token ids [R]: row r's first token whose cumulative probability exceeds uniforms[r]."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [R, V]
+    total = cdf[:, -1:].contiguous()  # [R, 1]
+    target = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * total
+    tokens = torch.searchsorted(cdf, target, right=True)  # [R, 1]
+    # NOTE: rounding can make target == total; cap at the last token with nonzero prob.
+    last = torch.searchsorted(cdf, total, right=False)  # [R, 1]
+    return torch.minimum(tokens, last).squeeze(-1)
+
+
+def _top_k_top_p_floor(
+    logits: torch.Tensor, params: list[SamplingParams], head: int = _NUCLEUS_HEAD
+) -> torch.Tensor:
+    """The smallest logit [R, 1] each row keeps under its top_k, then its top_p.
+
+    top_k keeps the k largest logits (0 = off); top_p then keeps the smallest prefix of that
+    set, sorted and renormalized, whose mass reaches top_p (1.0 = off), at least one token.
+    Nuclei are first looked for among the `head` largest logits; the whole vocab is sorted
+    only when one does not fit there.
+    NOTE: the floor is a value, so logits tied with the last kept one are kept too: the result
+    depends neither on how ties sort nor on how many columns the batch sorted.
+    """
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    has_top_p = any(p.top_p < 1.0 for p in params)
+    width = max(top_k)
+    if has_top_p and all(k <= head or k == vocab for k in top_k):
+        width = min(width, head)
+    if width < vocab:
+        sorted_logits = logits.topk(width, dim=-1).values  # [R, W], descending
+    else:
+        sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
+    k_column = torch.tensor(top_k, device=logits.device)[:, None]
+    floor = sorted_logits.gather(-1, (k_column - 1).clamp_max(width - 1))  # [R, 1] k-th largest
+    floor.masked_fill_(k_column > width, -math.inf)  # k = V beyond the sorted head: no top_k
+    if not has_top_p:
+        return floor
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < floor, -math.inf)
+    nucleus_floor = _nucleus_floor(logits, sorted_logits, k_column, params)
+    if nucleus_floor is None:
+        return _top_k_top_p_floor(logits, params, head=vocab)
+    return torch.maximum(floor, nucleus_floor)
+
+
+def _nucleus_floor(
+    logits: torch.Tensor,
+    sorted_logits: torch.Tensor,
+    top_k: torch.Tensor,
+    params: list[SamplingParams],
+) -> torch.Tensor | None:
+    """The smallest logit [R, 1] in each row's top_p nucleus (-inf where top_p is off).
+
+    `sorted_logits` [R, W] are the W largest of `logits` [R, V], descending, with those outside
+    each row's top_k (`top_k` [R, 1], V = off) already -inf. None when a nucleus does not fit
+    in the W columns. Masses are running sums, the same whatever W.
+    """
+    vocab = logits.shape[-1]
+    top = sorted_logits[:, :1]
+    running = (sorted_logits - top).exp().cumsum(dim=-1)  # [R, W] unnormalized mass so far
+    total = running[:, -1:]  # [R, 1] mass of each row's top-k set ...
+    if bool((top_k == vocab).any()):  # ... or of its whole row when top_k is off
+        whole_row = (logits - top).exp().cumsum(dim=-1)[:, -1:]
+        total = torch.where(top_k < vocab, total, whole_row)
+    cutoffs = [p.top_p - _TOP_P_SLACK if p.top_p < 1.0 else math.inf for p in params]
+    cutoff = _column(cutoffs, logits) * total  # [R, 1]
+    is_on = cutoff.isfinite()
+    if bool((is_on & (running[:, -1:] < cutoff)).any()):
+        return None
+    mass_before = torch.nn.functional.pad(running[:, :-1], (1, 0))  # [R, W]
+    num_kept = (mass_before < cutoff).sum(dim=-1, keepdim=True).clamp_min_(1)  # [R, 1]
+    return sorted_logits.gather(-1, num_kept - 1).masked_fill_(~is_on, -math.inf)
+
+
+def _min_p_floor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The smallest logit [R, 1] with prob >= min_p * the row's top prob (0 = off)."""
+    min_p = _column([p.min_p for p in params], logits)
+    return logits.amax(dim=-1, keepdim=True) + min_p.log()
+
+
+def _top_logprobs(
+    logits: torch.Tensor, log_norm: torch.Tensor, params: list[SamplingParams]
+) -> list[list[tuple[int, float]]]:
+    """For each row, its `logprobs` most likely (id, logprob) pairs, descending; [] if none."""
+    wanted = [p.logprobs or 0 for p in params]
+    tops: list[list[tuple[int, float]]] = [[] for _ in params]
+    rows = [i for i, n in enumerate(wanted) if n > 0]
+    if not rows:
+        return tops
+    row_index = torch.tensor(rows, device=logits.device)
+    k = min(max(wanted), logits.shape[-1])
+    values, ids = logits[row_index].topk(k, dim=-1)  # [R, k], sorted descending
+    values = values - log_norm[row_index][:, None]
+    for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+        n = wanted[row]
+        tops[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
+    return tops
