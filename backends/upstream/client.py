@@ -36,7 +36,8 @@ class UpstreamClient:
 
     Use as ``async with UpstreamClient(cfg) as client`` or call `start` / `close`.
     `transport` replaces httpx's network transport (then `max_connections` is the
-    transport's business).
+    transport's business). Like the httpx client inside it, an instance belongs to the
+    event loop that called `start`.
     """
 
     def __init__(
@@ -186,22 +187,21 @@ class UpstreamClient:
                 log.error("upstream_health_check_error", error=type(exc).__name__)
 
     async def _probe(self, index: int) -> bool | None:
-        """True if the replica answers GET {base}/models or {root}/health with a 2xx;
-        None when unknown (our own connection pool is exhausted)."""
+        """Whether the replica is healthy: ``GET {base}/models`` answers 2xx, or, on a server
+        without that route (404/405), ``GET {host}/health`` does. None means unknown: our
+        own connection pool is exhausted, which says nothing about the replica."""
         http = self._client()
         base = self._base_urls[index]
-        urls = (_join(base, "/models"), base.copy_with(path="/health"))
         timeout = httpx.Timeout(self.config.connect_timeout_s)
         try:
-            for url in urls:
-                response = await http.get(url, timeout=timeout)
-                if response.is_success:
-                    return True
+            response = await http.get(_join(base, "/models"), timeout=timeout)
+            if response.status_code in (404, 405):
+                response = await http.get(base.copy_with(path="/health"), timeout=timeout)
         except httpx.PoolTimeout:
             return None
         except httpx.HTTPError:
             return False
-        return False
+        return response.is_success
 
     async def _open(
         self, path: str, payload: dict[str, Any], headers: Mapping[str, str] | None
@@ -217,7 +217,9 @@ class UpstreamClient:
             index = self._pool.acquire(exclude=tried)
             tried.append(index)
             request = http.build_request(
-                "POST", _join(self._base_urls[index], path), json=payload,
+                "POST",
+                _join(self._base_urls[index], path),
+                json=payload,
                 headers=_forwarded_headers(headers),
             )
             try:
@@ -232,8 +234,8 @@ class UpstreamClient:
                 raise
             if response.status_code >= 500:
                 self._pool.release(index)
-                await response.aclose()
                 self._pool.mark_down(index, f"HTTP {response.status_code}")
+                await response.aclose()
                 server_errors += 1
                 continue
             self._pool.mark_up(index)
@@ -263,9 +265,7 @@ class UpstreamClient:
             return errors.unavailable(
                 502, f"upstream '{self.config.model}' failed with server errors ({tried})"
             )
-        return errors.unavailable(
-            503, f"upstream '{self.config.model}' is unreachable ({tried})"
-        )
+        return errors.unavailable(503, f"upstream '{self.config.model}' is unreachable ({tried})")
 
     def _send_error(self, exc: BaseException) -> UpstreamError:
         if isinstance(exc, httpx.PoolTimeout):
@@ -283,10 +283,7 @@ class UpstreamClient:
         return errors.bad_response("upstream closed the stream before it finished")
 
     def _timeout_message(self) -> str:
-        return (
-            f"upstream '{self.config.model}' sent nothing for "
-            f"{self.config.read_timeout_s:g} s"
-        )
+        return f"upstream '{self.config.model}' sent nothing for {self.config.read_timeout_s:g} s"
 
     def _payload(self, body: dict[str, Any], *, stream: bool) -> dict[str, Any]:
         payload = {**body, "model": self.config.model}

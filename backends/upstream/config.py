@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class UpstreamConfig:
     """One OpenAI-compatible upstream model served by one or more replicas.
 
     `base_urls` end where the OpenAI paths begin, e.g. ``"http://127.0.0.1:8001/v1"``.
-    `api_key` is sent as ``Authorization: Bearer``; it is kept out of ``repr`` and logs.
+    `api_key` is sent as ``Authorization: Bearer``; ``repr`` hides it and URL credentials.
     `read_timeout_s` bounds the wait for each chunk (and for the response headers), not
     the whole request. `health_interval_s <= 0` disables the background health checks.
     `retries` is how many *other* replicas are tried after a connect error or a 5xx
@@ -21,7 +21,7 @@ class UpstreamConfig:
 
     base_urls: tuple[str, ...]
     model: str
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = None
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     health_interval_s: float = 10.0
@@ -45,6 +45,16 @@ class UpstreamConfig:
             raise ValueError("max_connections must be at least 1")
         if self.retries < 0:
             raise ValueError("retries must be >= 0")
+
+    def __repr__(self) -> str:
+        urls = tuple(display_url(url) for url in self.base_urls)
+        return (
+            f"UpstreamConfig(base_urls={urls!r}, model={self.model!r}, "
+            f"api_key={'***' if self.api_key else None}, "
+            f"connect_timeout_s={self.connect_timeout_s}, read_timeout_s={self.read_timeout_s}, "
+            f"health_interval_s={self.health_interval_s}, "
+            f"max_connections={self.max_connections}, retries={self.retries})"
+        )
 
 
 def display_url(url: str) -> str:
