@@ -1,0 +1,300 @@
+"""`carousel bench`: the command line, plugged into the gateway CLI by `register`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from gateway.bench.client import ClientConfig
+from gateway.bench.metrics import Slo
+from gateway.bench.runner import BenchConfig, BenchResult, rate_label, run_bench
+from gateway.bench.workload import (
+    PRESETS,
+    build_workload,
+    load_dataset,
+    parse_dist,
+    parse_rate,
+    parse_rates,
+)
+
+T = TypeVar("T")
+EXIT_OK, EXIT_NO_SUCCESS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DESCRIPTION = (
+    "Benchmark an OpenAI-compatible endpoint with streamed requests: the same workload "
+    "against each --arm in turn (header X-Carousel-Arm), then report.json, report.md and "
+    "PNG plots, including the carousel picture of each engine's batch seats."
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `bench` subcommand to the gateway CLI; it sets `func=run`."""
+    parser = subparsers.add_parser(
+        "bench", help="benchmark an endpoint and compare arms", description=DESCRIPTION
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def _arg_type(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
+    """Wrap a parser so its ValueError becomes argparse's usage error."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = name
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """All `bench` flags (see docs/bench.md)."""
+    presets = ", ".join(PRESETS)
+    target = parser.add_argument_group("target")
+    target.add_argument(
+        "--url",
+        required=True,
+        help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (/v1 is added "
+        "when the URL has no path)",
+    )
+    target.add_argument("--model", required=True, help="the model name sent in requests")
+    target.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an arm to run (repeatable); sent as X-Carousel-Arm: NAME",
+    )
+    target.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions or /v1/completions (default: chat)",
+    )
+    target.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY)",
+    )
+    target.add_argument(
+        "--timeout",
+        type=_arg_type(_positive_float, "seconds"),
+        default=600.0,
+        help="per-request timeout in seconds, streaming included (default: 600)",
+    )
+    target.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (for servers that reject it; outputs "
+        "may then stop before max_tokens)",
+    )
+
+    load = parser.add_argument_group("workload")
+    load.add_argument(
+        "--num-requests",
+        type=_arg_type(_positive_int, "count"),
+        default=None,
+        help="requests per run (default: 100, or the dataset's size)",
+    )
+    load.add_argument(
+        "--rate",
+        type=_arg_type(parse_rate, "rate"),
+        default=math.inf,
+        help="mean arrival rate in req/s, or inf for one burst (default: inf)",
+    )
+    load.add_argument(
+        "--sweep-rates",
+        type=_arg_type(parse_rates, "rates"),
+        default=None,
+        metavar="R1,R2,...",
+        help="run every arm at each rate (overrides --rate)",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=_arg_type(_positive_float, "burstiness"),
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 = Poisson, "
+        "<1 burstier, >1 more regular (default: 1)",
+    )
+    load.add_argument(
+        "--input-len",
+        type=_arg_type(lambda t: parse_dist(t, "input"), "DIST"),
+        default=parse_dist("orca", "input"),
+        metavar="DIST",
+        help=f"prompt length: fixed:N, uniform:LO:HI, "
+        f"lognormal:MEDIAN:SIGMA[:CAP] or a preset ({presets}); default: orca",
+    )
+    load.add_argument(
+        "--output-len",
+        type=_arg_type(lambda t: parse_dist(t, "output"), "DIST"),
+        default=parse_dist("orca", "output"),
+        metavar="DIST",
+        help="output length (max_tokens), same forms; default: orca",
+    )
+    load.add_argument(
+        "--dataset",
+        metavar="FILE.jsonl",
+        default=None,
+        help='prompts, one {"prompt": ...} or {"messages": [...]} per line, '
+        'optional "max_tokens"; replaces --input-len',
+    )
+    load.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    load.add_argument(
+        "--warmups",
+        type=_arg_type(_non_negative_int, "count"),
+        default=1,
+        help="unmeasured requests sent to each arm before its run (default: 1)",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=_arg_type(_positive_int, "count"),
+        default=None,
+        help="at most this many requests in flight",
+    )
+
+    out = parser.add_argument_group("report")
+    out.add_argument(
+        "--slo-ttft",
+        type=_arg_type(_positive_float, "ms"),
+        default=None,
+        metavar="MS",
+        help="TTFT objective in ms, for goodput",
+    )
+    out.add_argument(
+        "--slo-tpot",
+        type=_arg_type(_positive_float, "ms"),
+        default=None,
+        metavar="MS",
+        help="TPOT objective in ms, for goodput",
+    )
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="output directory (default: bench-results/<timestamp>)",
+    )
+    out.add_argument(
+        "--no-trace",
+        dest="fetch_trace",
+        action="store_false",
+        help="do not fetch /debug/trace (no carousel picture)",
+    )
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def api_base(url: str) -> str:
+    """The OpenAI base URL: `/v1` appended when the URL has no path."""
+    base = url.rstrip("/")
+    if not urlsplit(base).path:
+        base += "/v1"
+    return base
+
+
+def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
+    """Turn parsed flags into a BenchConfig."""
+    arms: list[str | None] = list(dict.fromkeys(args.arm)) or [None]
+    out_dir = args.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    client = ClientConfig(
+        api_base=api_base(args.url),
+        model=args.model,
+        endpoint=args.endpoint,
+        api_key=args.api_key,
+        ignore_eos=args.ignore_eos,
+        timeout_s=args.timeout,
+        max_concurrency=args.max_concurrency,
+    )
+    return BenchConfig(
+        client=client,
+        arms=arms,
+        num_requests=num_requests,
+        rates=args.sweep_rates or [args.rate],
+        burstiness=args.burstiness,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        dataset=args.dataset,
+        seed=args.seed,
+        slo=Slo(args.slo_ttft, args.slo_tpot),
+        out_dir=out_dir,
+        url=args.url,
+        progress=args.progress,
+        fetch_trace=args.fetch_trace,
+        warmups=args.warmups,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench; 0 on success, 1 when no request completed, 130 when interrupted."""
+    try:
+        dataset = load_dataset(args.dataset) if args.dataset else None
+    except (OSError, ValueError) as exc:
+        print(f"carousel bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    num_requests = args.num_requests or (len(dataset) if dataset else 100)
+    cfg = build_config(args, num_requests)
+    specs = build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed, dataset)
+    try:
+        result = asyncio.run(run_bench(cfg, specs))
+    except KeyboardInterrupt:
+        print("carousel bench: aborted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    from gateway.bench.report import write_report
+
+    report_path = write_report(cfg, specs, result)
+    _print_summary(result)
+    print(f"report: {report_path} and {report_path.with_suffix('.md')}")
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    if not any(run.metrics["completed"] for run in result.runs):
+        return EXIT_NO_SUCCESS
+    return EXIT_OK
+
+
+def _print_summary(result: BenchResult) -> None:
+    for run in result.runs:
+        m = run.metrics
+        p99 = m["e2e_latency_ms"]["p99"]
+        p99_text = "-" if p99 is None else f"{p99:.0f} ms"
+        print(
+            f"{run.arm} @ {rate_label(run.rate)} req/s: {m['completed']} ok, "
+            f"{m['failed']} failed, {m['request_throughput']:.2f} req/s, "
+            f"{m['output_throughput']:.1f} output tok/s, p99 e2e {p99_text}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (`python -m gateway.bench`)."""
+    parser = argparse.ArgumentParser(prog="carousel bench", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,121 @@
+"""The numbers a run reports, with vLLM `bench serve` definitions so they read the same.
+
+Per request (clock started just before the HTTP request is sent):
+
+- TTFT, time to first token: until the first stream chunk that carries generated text
+  (a chat `delta.content` or a completion `text` that is not empty). The role-only first chunk
+  of a chat stream does not count: it says nothing about generation.
+- E2E latency: until the stream ends (`data: [DONE]`, or the connection closing).
+- Output tokens: `usage.completion_tokens` from the final usage chunk (the bench always asks
+  for it with `stream_options.include_usage`); when the server sends none, the number of
+  content chunks.
+- TPOT, time per output token after the first: (latency - TTFT) / (output tokens - 1).
+  Requests with fewer than 2 output tokens have no TPOT and are left out of its statistics.
+- ITL, inter-token latency: every gap between consecutive content chunks. A server that
+  packs several tokens into one chunk shows fewer, larger gaps.
+
+Per run (one arm at one rate), over the requests that completed:
+
+- duration: from the first request's scheduled send to the end of the last one.
+- request throughput = completed / duration; output token throughput = sum of output tokens
+  / duration; total token throughput = (prompt + output tokens) / duration, with prompt
+  tokens as the server reported them in `usage`.
+- goodput = requests meeting every SLO given (TTFT <= `--slo-ttft` ms, TPOT <= `--slo-tpot`
+  ms) / duration. A request without a TPOT (one output token) meets the TPOT SLO; one
+  without a TTFT (no text at all) misses the TTFT SLO. `None` when no SLO is given.
+- For TTFT, TPOT, ITL and E2E: mean, p50, p90, p99 in milliseconds (numpy's linear
+  interpolation between order statistics); `None` when there are no samples.
+- failed: requests that got an HTTP error status, an in-stream `error` event, or a transport
+  error or timeout. cancelled: requests in flight when the run was interrupted (Ctrl-C);
+  neither counts in the statistics above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gateway.bench.client import RequestResult
+
+PERCENTILES: tuple[int, ...] = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives in milliseconds; `None` means not checked."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+
+def tpot(result: RequestResult) -> float | None:
+    """(latency - TTFT) / (output tokens - 1), in seconds; `None` below 2 output tokens."""
+    if result.latency is None or result.ttft is None or result.output_tokens < 2:
+        return None
+    return (result.latency - result.ttft) / (result.output_tokens - 1)
+
+
+def summarize(values_s: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles of seconds, reported in milliseconds."""
+    keys = ["mean", *(f"p{p}" for p in PERCENTILES)]
+    if not values_s:
+        return dict.fromkeys(keys)
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    stats = [float(ms.mean()), *(float(v) for v in np.percentile(ms, PERCENTILES))]
+    return dict(zip(keys, stats, strict=True))
+
+
+def meets_slo(result: RequestResult, slo: Slo) -> bool:
+    """Whether a completed request met every SLO given."""
+    if slo.ttft_ms is not None and (result.ttft is None or result.ttft * 1000 > slo.ttft_ms):
+        return False
+    per_token = tpot(result)
+    return slo.tpot_ms is None or per_token is None or per_token * 1000 <= slo.tpot_ms
+
+
+def compute_metrics(
+    results: list[RequestResult], duration_s: float, slo: Slo | None = None
+) -> dict[str, Any]:
+    """The run's metrics (see the module docstring), as a JSON-ready dict."""
+    slo = slo or Slo()
+    done = [r for r in results if r.success]
+    per_s = 1.0 / duration_s if duration_s > 0 else 0.0
+    output_tokens = sum(r.output_tokens for r in done)
+    input_tokens = sum(r.prompt_tokens or 0 for r in done)
+    good = sum(meets_slo(r, slo) for r in done) if slo.active else None
+    tpots = [t for t in map(tpot, done) if t is not None]
+    return {
+        "num_sent": len(results),
+        "completed": len(done),
+        "failed": sum(r.error is not None for r in results),
+        "cancelled": sum(r.cancelled for r in results),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) * per_s,
+        "output_throughput": output_tokens * per_s,
+        "total_token_throughput": (input_tokens + output_tokens) * per_s,
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        "good_requests": good,
+        "goodput": None if good is None else good * per_s,
+        "ttft_ms": summarize([r.ttft for r in done if r.ttft is not None]),
+        "tpot_ms": summarize(tpots),
+        "itl_ms": summarize([gap for r in done for gap in r.itl]),
+        "e2e_latency_ms": summarize([r.latency for r in done if r.latency is not None]),
+    }
+
+
+def error_counts(results: list[RequestResult], limit: int = 10) -> dict[str, int]:
+    """The most frequent error messages and how often each occurred."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            counts[r.error] = counts.get(r.error, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
+    return dict(top)

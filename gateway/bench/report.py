@@ -1,0 +1,397 @@
+"""Write a bench's results: report.json, report.md, requests.jsonl and the PNG plots.
+
+report.json (schema_version 1)::
+
+    {
+      "schema_version": 1, "created": ISO-8601 UTC, "interrupted": bool,
+      "config": {"url", "model", "endpoint", "arms", "num_requests", "rates", "burstiness",
+                 "input_len", "output_len", "dataset", "seed", "max_concurrency",
+                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups"},
+      "workload": {"num_requests", "mean_target_input_len", "mean_max_tokens"},
+      "runs": [{"arm", "rate", "start_time", "end_time", "interrupted",
+                "metrics": {see metrics.compute_metrics}, "mean_prompt_tokens",
+                "errors": {message: count},
+                "trace": {"available", "note", "num_iterations", "max_num_seqs",
+                          "mean_batch_size", "seat_occupancy", "num_preempted",
+                          "truncated"}}],
+      "comparison": [{"rate", "baseline", "arm", "<metric>_ratio", ...}],
+      "files": {"report_md", "requests", "plots": [file names]},
+      "notes": [str]
+    }
+
+Rates are numbers, or the string "inf" for a burst. Latencies are in milliseconds,
+throughputs per second. requests.jsonl has one line per request sent, with its raw timings.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from gateway.bench.metrics import error_counts, tpot
+from gateway.bench.runner import BenchConfig, BenchResult, RunRecord, rate_label
+from gateway.bench.trace import trace_summary
+from gateway.bench.workload import RequestSpec
+
+SCHEMA_VERSION = 1
+# (key in report.json, metrics path, higher is better)
+COMPARED: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("request_throughput", ("request_throughput",), True),
+    ("output_throughput", ("output_throughput",), True),
+    ("goodput", ("goodput",), True),
+    ("p50_ttft", ("ttft_ms", "p50"), False),
+    ("p99_ttft", ("ttft_ms", "p99"), False),
+    ("p99_tpot", ("tpot_ms", "p99"), False),
+    ("p50_e2e_latency", ("e2e_latency_ms", "p50"), False),
+    ("p99_e2e_latency", ("e2e_latency_ms", "p99"), False),
+)
+
+
+def json_rate(rate: float) -> float | str:
+    """Rates as JSON: numbers, or "inf"."""
+    return "inf" if math.isinf(rate) else rate
+
+
+def write_report(cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult) -> Path:
+    """Write every output file into `cfg.out_dir`; returns the report.json path."""
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    _write_requests(out / "requests.jsonl", result.runs)
+    notes: list[str] = []
+    plots = _draw_plots(out, cfg, result.runs, notes)
+    report = build_report(cfg, specs, result, plots, notes)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
+    return out / "report.json"
+
+
+def build_report(
+    cfg: BenchConfig,
+    specs: list[RequestSpec],
+    result: BenchResult,
+    plots: list[str],
+    notes: list[str],
+) -> dict[str, Any]:
+    """The report.json document (see the module docstring)."""
+    targets = [s.target_input_len for s in specs if s.target_input_len is not None]
+    runs = [_run_entry(run) for run in result.runs]
+    notes = list(notes)
+    if result.interrupted:
+        notes.append(
+            "interrupted (Ctrl-C): later runs did not start, in-flight requests "
+            "were cancelled and are counted as cancelled"
+        )
+    for run in runs:
+        if not run["trace"]["available"]:
+            notes.append(
+                f"no carousel picture for {run['arm']} @ "
+                f"{_rate(run['rate'])} req/s: {run['trace']['note']}"
+            )
+        elif run["trace"]["truncated"]:
+            notes.append(
+                f"the carousel picture of {run['arm']} @ {_rate(run['rate'])} req/s starts "
+                "mid-run: the server's trace buffer had already dropped the run's first iterations"
+            )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "interrupted": result.interrupted,
+        "config": _config_entry(cfg),
+        "workload": {
+            "num_requests": len(specs),
+            "mean_target_input_len": sum(targets) / len(targets) if targets else None,
+            "mean_max_tokens": sum(s.max_tokens for s in specs) / len(specs) if specs else None,
+        },
+        "runs": runs,
+        "comparison": _comparison(runs),
+        "files": {"report_md": "report.md", "requests": "requests.jsonl", "plots": plots},
+        "notes": notes,
+    }
+
+
+def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
+    c = cfg.client
+    return {
+        "url": cfg.url,
+        "model": c.model,
+        "endpoint": c.endpoint,
+        "arms": [a for a in cfg.arms if a is not None],
+        "num_requests": cfg.num_requests,
+        "rates": [json_rate(r) for r in cfg.rates],
+        "burstiness": cfg.burstiness,
+        "input_len": None if cfg.dataset else str(cfg.input_len),
+        "output_len": str(cfg.output_len),
+        "dataset": cfg.dataset,
+        "seed": cfg.seed,
+        "max_concurrency": c.max_concurrency,
+        "slo_ttft_ms": cfg.slo.ttft_ms,
+        "slo_tpot_ms": cfg.slo.tpot_ms,
+        "ignore_eos": c.ignore_eos,
+        "timeout_s": c.timeout_s,
+        "warmups": cfg.warmups,
+    }
+
+
+def _run_entry(run: RunRecord) -> dict[str, Any]:
+    prompts = [r.prompt_tokens for r in run.results if r.success and r.prompt_tokens is not None]
+    return {
+        "arm": run.arm,
+        "rate": json_rate(run.rate),
+        "start_time": run.outcome.start_wall,
+        "end_time": run.outcome.end_wall,
+        "interrupted": run.outcome.interrupted,
+        "metrics": run.metrics,
+        "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
+        "errors": error_counts(run.results),
+        "trace": trace_summary(run.trace, run.metrics["completed"]),
+    }
+
+
+def _lookup(metrics: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = metrics
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int | float) else None
+
+
+def _comparison(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each arm against the first arm at the same rate: ratio = arm / baseline."""
+    rows: list[dict[str, Any]] = []
+    baselines: dict[Any, dict[str, Any]] = {}
+    for run in runs:
+        base = baselines.setdefault(run["rate"], run)
+        if base is run:
+            continue
+        row: dict[str, Any] = {"rate": run["rate"], "baseline": base["arm"], "arm": run["arm"]}
+        for key, path, _ in COMPARED:
+            a, b = _lookup(run["metrics"], path), _lookup(base["metrics"], path)
+            row[f"{key}_ratio"] = a / b if a is not None and b else None
+        rows.append(row)
+    return rows
+
+
+def _write_requests(path: Path, runs: list[RunRecord]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for run in runs:
+            for r in run.results:
+                per_token = tpot(r)
+                line = {
+                    "arm": run.arm,
+                    "rate": json_rate(run.rate),
+                    "index": r.index,
+                    "success": r.success,
+                    "cancelled": r.cancelled,
+                    "error": r.error,
+                    "send_time_s": r.send_time,
+                    "ttft_s": r.ttft,
+                    "tpot_s": per_token,
+                    "latency_s": r.latency,
+                    "itl_s": r.itl,
+                    "max_tokens": r.max_tokens,
+                    "output_tokens": r.output_tokens,
+                    "prompt_tokens": r.prompt_tokens,
+                    "target_input_len": r.target_input_len,
+                }
+                f.write(json.dumps(line) + "\n")
+
+
+def _draw_plots(out: Path, cfg: BenchConfig, runs: list[RunRecord], notes: list[str]) -> list[str]:
+    from gateway.bench import plots  # matplotlib is imported only when drawing
+
+    files: list[str] = []
+    rates = list(dict.fromkeys(run.rate for run in runs))
+    for rate in rates:
+        at_rate = [run for run in runs if run.rate == rate]
+        suffix = "" if len(cfg.rates) == 1 else f"_rate{rate_label(rate)}"
+        title = f"{cfg.client.model} @ {rate_label(rate)} req/s"
+        samples = {
+            run.arm: {
+                "ttft": [r.ttft for r in run.results if r.success and r.ttft is not None],
+                "e2e": [r.latency for r in run.results if r.success and r.latency is not None],
+            }
+            for run in at_rate
+        }
+        path = plots.plot_latency_cdfs(samples, out / f"latency_cdf{suffix}.png", title)
+        files.append(path.name)
+        traces = {run.arm: run.trace for run in at_rate}
+        picture = plots.plot_carousel(traces, out / f"carousel{suffix}.png", title)
+        if picture is not None:
+            files.append(picture.name)
+    finite = [r for r in rates if math.isfinite(r)]
+    if len(finite) > 1:
+        points: dict[str, list[dict[str, Any]]] = {}
+        for run in runs:
+            points.setdefault(run.arm, []).append({"rate": run.rate, "metrics": run.metrics})
+        files.append(plots.plot_sweep(points, out / "sweep.png").name)
+    elif len(cfg.rates) > 1:
+        notes.append("no sweep plot: it needs at least two finite rates that ran")
+    return files
+
+
+def _rate(rate: float | str) -> str:
+    """A report.json rate for reading: `4.0` -> `4`, `"inf"` stays."""
+    return rate if isinstance(rate, str) else f"{rate:g}"
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""]
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """report.md: the summary tables, the comparison, the pictures and the notes."""
+    cfg, runs = report["config"], report["runs"]
+    workload = (
+        f"dataset `{cfg['dataset']}`"
+        if cfg["dataset"]
+        else f"input `{cfg['input_len']}`, output `{cfg['output_len']}`"
+    )
+    slo = f"TTFT <= {_fmt(cfg['slo_ttft_ms'])} ms, TPOT <= {_fmt(cfg['slo_tpot_ms'])} ms"
+    lines = [
+        f"# carousel bench: `{cfg['model']}`",
+        "",
+        f"- endpoint: `{cfg['url']}` ({cfg['endpoint']}), created {report['created']}",
+        f"- workload: {report['workload']['num_requests']} requests, {workload}, "
+        f"rates {', '.join(_rate(r) for r in cfg['rates'])} req/s, "
+        f"burstiness {cfg['burstiness']}, seed {cfg['seed']}",
+        f"- SLOs: {slo}" if cfg["slo_ttft_ms"] or cfg["slo_tpot_ms"] else "- SLOs: none given",
+        "",
+    ]
+    if report["interrupted"]:
+        lines += ["**Interrupted**: the numbers below cover only what ran.", ""]
+    lines += _headline(report["comparison"])
+    lines += ["## Throughput", ""]
+    lines += _table(
+        [
+            "arm",
+            "rate",
+            "completed",
+            "failed",
+            "cancelled",
+            "req/s",
+            "output tok/s",
+            "total tok/s",
+            "goodput req/s",
+            "prompt tok (mean)",
+        ],
+        [
+            [
+                run["arm"],
+                _rate(run["rate"]),
+                _fmt(m["completed"]),
+                _fmt(m["failed"]),
+                _fmt(m["cancelled"]),
+                _fmt(m["request_throughput"], 2),
+                _fmt(m["output_throughput"]),
+                _fmt(m["total_token_throughput"]),
+                _fmt(m["goodput"], 2),
+                _fmt(run["mean_prompt_tokens"]),
+            ]
+            for run in runs
+            for m in [run["metrics"]]
+        ],
+    )
+    for key, name in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_latency_ms", "End-to-end latency"),
+    ):
+        lines += [f"## {name} (ms)", ""]
+        lines += _table(
+            ["arm", "rate", "mean", "p50", "p90", "p99"],
+            [
+                [run["arm"], _rate(run["rate"])]
+                + [_fmt(run["metrics"][key][s]) for s in ("mean", "p50", "p90", "p99")]
+                for run in runs
+            ],
+        )
+    lines += _comparison_markdown(report["comparison"])
+    lines += _pictures_markdown(report)
+    errors = [(run, msg, n) for run in runs for msg, n in run["errors"].items()]
+    if errors:
+        lines += ["## Errors", ""]
+        lines += [
+            f"- {run['arm']} @ {_rate(run['rate'])} req/s: {n} x `{msg}`" for run, msg, n in errors
+        ]
+        lines += [""]
+    if report["notes"]:
+        lines += ["## Notes", ""] + [f"- {note}" for note in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def _headline(rows: list[dict[str, Any]]) -> list[str]:
+    """One sentence per compared arm: the answer to "what would it buy us?"."""
+    lines = []
+    for row in rows:
+        parts = [
+            f"{_fmt(row[f'{key}_ratio'], 2)}x {label}"
+            for key, label in (
+                ("output_throughput", "output throughput"),
+                ("goodput", "goodput"),
+                ("p50_ttft", "median TTFT"),
+                ("p99_e2e_latency", "p99 latency"),
+            )
+            if row[f"{key}_ratio"] is not None
+        ]
+        if parts:
+            lines.append(
+                f"- **{row['arm']}** against **{row['baseline']}** at {_rate(row['rate'])} req/s: "
+                + ", ".join(parts)
+            )
+    return [*lines, ""] if lines else []
+
+
+def _comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "## Compared with the first arm",
+        "",
+        "Ratios arm / baseline at the same rate: above 1 is better for throughputs, "
+        "below 1 is better for latencies.",
+        "",
+    ]
+    header = ["arm", "baseline", "rate"] + [key for key, _, _ in COMPARED]
+    body = [
+        [row["arm"], row["baseline"], _rate(row["rate"])]
+        + [
+            _fmt(row[f"{key}_ratio"], 2) + ("x" if row[f"{key}_ratio"] else "")
+            for key, _, _ in COMPARED
+        ]
+        for row in rows
+    ]
+    return lines + _table(header, body)
+
+
+def _pictures_markdown(report: dict[str, Any]) -> list[str]:
+    plots = report["files"]["plots"]
+    lines = ["## Pictures", ""]
+    captions = {
+        "latency_cdf": "Latency CDFs (TTFT and end-to-end), one line per arm",
+        "carousel": "The carousel picture: batch seats over engine iterations, one colour "
+        "per request, grey = empty seat",
+        "sweep": "Throughput and p99 latency against the offered rate",
+    }
+    for name in plots:
+        caption = next((c for k, c in captions.items() if name.startswith(k)), name)
+        lines += [f"**{caption}** (`{name}`)", "", f"![{caption}]({name})", ""]
+    if not any(p.startswith("carousel") for p in plots):
+        lines += [
+            "No carousel picture: the server's iteration trace (`GET /debug/trace`) was not "
+            "available; see the notes.",
+            "",
+        ]
+    return lines

@@ -1,0 +1,152 @@
+"""Run the workload against every arm (and every rate of a sweep), one run at a time.
+
+Runs go rate by rate and, within a rate, arm by arm, so the arms of one rate are measured back
+to back under the same conditions. Before each run, `warmups` requests of the workload go to
+the arm unmeasured (all at once), so the first arm does not alone pay for cold caches and new
+connections. After each run the arm's iteration trace is fetched. The
+first Ctrl-C (SIGINT) stops cleanly: the current run's in-flight requests are cancelled, no
+further run starts, and what was measured is still reported; a second Ctrl-C aborts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from gateway.bench.client import ClientConfig, RequestResult, RunOutcome, run_requests
+from gateway.bench.metrics import Slo, compute_metrics
+from gateway.bench.trace import ArmTrace, fetch_trace, server_root
+from gateway.bench.workload import LengthDist, RequestSpec, arrival_offsets
+
+DEFAULT_ARM = "default"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one `carousel bench` invocation needs, validated."""
+
+    client: ClientConfig
+    arms: list[str | None]  # None: send no arm header
+    num_requests: int
+    rates: list[float]
+    burstiness: float
+    input_len: LengthDist
+    output_len: LengthDist
+    dataset: str | None
+    seed: int
+    slo: Slo
+    out_dir: Path
+    url: str
+    progress: bool = True
+    fetch_trace: bool = True
+    warmups: int = 0
+
+
+@dataclass
+class RunRecord:
+    """One arm at one rate: its requests, metrics and engine trace."""
+
+    arm: str
+    arm_header: str | None
+    rate: float
+    outcome: RunOutcome
+    metrics: dict[str, Any]
+    trace: ArmTrace = field(default_factory=ArmTrace)
+
+    @property
+    def results(self) -> list[RequestResult]:
+        return self.outcome.results
+
+
+@dataclass
+class BenchResult:
+    """All runs of an invocation, in the order they ran."""
+
+    runs: list[RunRecord]
+    interrupted: bool
+
+
+def rate_label(rate: float) -> str:
+    """`4.0` -> `4`, `0.5` -> `0.5`, `inf` -> `inf`."""
+    if math.isinf(rate):
+        return "inf"
+    return f"{rate:g}"
+
+
+async def run_bench(cfg: BenchConfig, specs: list[RequestSpec]) -> BenchResult:
+    """Run every (rate, arm) pair in turn; see the module docstring."""
+    stop = asyncio.Event()
+    _install_sigint(stop)
+    runs: list[RunRecord] = []
+    try:
+        for rate in cfg.rates:
+            offsets = arrival_offsets(len(specs), rate, cfg.burstiness, cfg.seed)
+            for arm in cfg.arms:
+                runs.append(await _run_one(cfg, specs, offsets, arm, rate, stop))
+                if stop.is_set():
+                    return BenchResult(runs, interrupted=True)
+    finally:
+        _remove_sigint()
+    return BenchResult(runs, interrupted=False)
+
+
+async def _run_one(
+    cfg: BenchConfig,
+    specs: list[RequestSpec],
+    offsets: list[float],
+    arm: str | None,
+    rate: float,
+    stop: asyncio.Event,
+) -> RunRecord:
+    name = arm if arm is not None else DEFAULT_ARM
+    if cfg.warmups:
+        warmup = [specs[i % len(specs)] for i in range(cfg.warmups)]
+        await run_requests(cfg.client, warmup, [0.0] * len(warmup), arm, stop)
+    bar = tqdm(
+        total=len(specs),
+        desc=f"{name} @ {rate_label(rate)} req/s",
+        unit="req",
+        disable=None if cfg.progress else True,
+        file=sys.stderr,
+    )
+    try:
+        outcome = await run_requests(
+            cfg.client, specs, offsets, arm, stop, on_done=lambda _: bar.update()
+        )
+    finally:
+        bar.close()
+    metrics = compute_metrics(outcome.results, outcome.duration_s, cfg.slo)
+    record = RunRecord(name, arm, rate, outcome, metrics)
+    if cfg.fetch_trace:
+        root = server_root(cfg.client.api_base)
+        window = (outcome.start_wall, outcome.end_wall)
+        record.trace = await fetch_trace(root, arm, window, cfg.client.api_key)
+    else:
+        record.trace = ArmTrace(note="trace fetching was turned off (--no-trace)")
+    return record
+
+
+def _install_sigint(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+
+    def first_sigint() -> None:
+        print("\ninterrupted: stopping, the report will hold what was measured", file=sys.stderr)
+        stop.set()
+        _remove_sigint()  # a second Ctrl-C raises KeyboardInterrupt as usual
+
+    # Not the main thread, or a platform without loop signal handlers: no clean Ctrl-C.
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGINT, first_sigint)
+
+
+def _remove_sigint() -> None:
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGINT)
