@@ -1,0 +1,85 @@
+"""Per-request state shared by the route, the serving pipeline and the access log."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger("carousel.gateway")
+
+#: status recorded for a request whose client went away (nginx's convention)
+CLIENT_CLOSED = 499
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+@dataclass
+class RequestContext:
+    """What one request is, and what the access log line and metrics will say about it.
+
+    The pipeline fills `arm`, token counts, `ttft_s` and `finish_reasons`; `finish()` writes
+    the single access log line and updates the metrics, exactly once.
+    """
+
+    request_id: str
+    endpoint: str
+    model: str
+    is_disconnected: Callable[[], Awaitable[bool]]
+    metrics: GatewayMetrics | None = None
+    stream: bool = False
+    log_prompts: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    start: float = field(default_factory=time.monotonic)
+    arm: str | None = None
+    scheduler: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    prompt_text: str | None = None
+    #: the engine's id; differs from `request_id` (by a suffix) when the client chose that
+    engine_request_id: str = ""
+    _done: bool = False
+
+    def __post_init__(self) -> None:
+        self.engine_request_id = self.engine_request_id or self.request_id
+
+    def mark_first_token(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.start
+
+    def finish(self, status: int, error: str | None = None) -> None:
+        """Log the request and count it in the metrics (only the first call counts)."""
+        if self._done:
+            return
+        self._done = True
+        total_s = time.monotonic() - self.start
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "arm": self.arm,
+            "scheduler": self.scheduler,
+            "stream": self.stream,
+            "status": status,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "total_s": round(total_s, 6),
+            "finish_reason": ",".join(sorted(set(self.finish_reasons))) or None,
+        }
+        if error is not None:
+            fields["error"] = error
+        if self.log_prompts and self.prompt_text is not None:
+            fields["prompt"] = self.prompt_text
+        log.info("request", **fields)
+        if self.metrics is not None:
+            self.metrics.observe_request(self, status, total_s)

@@ -1,0 +1,121 @@
+"""The model layer: a served model name (`Deployment`) and the arms that can answer for it.
+
+An `Arm` takes a validated OpenAI request and returns either a whole response body or a
+stream of chunk payloads (JSON strings, framed as SSE by the route). A `LocalArm`
+(gateway/local_arm.py) runs an Engine in this process; an upstream arm would proxy the same
+request to another OpenAI-compatible server with httpx. Today every deployment has one
+local arm; `Deployment.pick` is where an A/B split chooses among several.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from gateway.context import RequestContext
+from gateway.errors import model_not_found, unavailable
+from gateway.metrics import ArmGauges
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+#: a non-streaming reply is the response body; a streaming one yields chunk payloads (JSON)
+Reply: TypeAlias = dict[str, Any] | AsyncIterator[str]
+
+
+class Arm(abc.ABC):
+    """One way of serving a deployment's requests (a local engine, an upstream server)."""
+
+    name: str
+    kind: str
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load and start; may take long (the app answers 503 meanwhile)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop serving; requests in flight end with an error."""
+
+    @property
+    @abc.abstractmethod
+    def unavailable_reason(self) -> str | None:
+        """None when the arm can take requests, else why not ("loading", a crash)."""
+
+    @property
+    @abc.abstractmethod
+    def is_loading(self) -> bool:
+        """Whether `start` is still running."""
+
+    @property
+    def max_model_len(self) -> int | None:
+        return None
+
+    @abc.abstractmethod
+    async def chat(self, request: ChatCompletionRequest, ctx: RequestContext) -> Reply:
+        """Serve POST /v1/chat/completions."""
+
+    @abc.abstractmethod
+    async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
+        """Serve POST /v1/completions."""
+
+    def gauges(self, model: str) -> ArmGauges | None:
+        """Engine occupancy for /metrics (None for arms without a local engine)."""
+        return None
+
+
+@dataclass
+class Deployment:
+    """A model name clients ask for and the arms that serve it."""
+
+    name: str
+    arms: list[Arm]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def pick(self, ctx: RequestContext, retry_after_s: int) -> Arm:
+        """The arm that serves this request (503 when it cannot take requests now)."""
+        arm = self.arms[0]
+        reason = arm.unavailable_reason
+        if reason is not None:
+            code = "model_loading" if arm.is_loading else "engine_dead"
+            message = f"The model `{self.name}` is not available: {reason}"
+            raise unavailable(message, retry_after_s, code)
+        ctx.arm = arm.name
+        return arm
+
+    @property
+    def max_model_len(self) -> int | None:
+        return next((a.max_model_len for a in self.arms if a.max_model_len), None)
+
+
+class Deployments:
+    """Every deployment of the app, by served name."""
+
+    def __init__(self, deployments: Iterable[Deployment]) -> None:
+        self._by_name = {d.name: d for d in deployments}
+
+    def get(self, name: str) -> Deployment:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise model_not_found(name) from None
+
+    def __iter__(self) -> Iterator[Deployment]:
+        return iter(self._by_name.values())
+
+    def arms(self) -> Iterator[tuple[Deployment, Arm]]:
+        for deployment in self:
+            for arm in deployment.arms:
+                yield deployment, arm
+
+    def unavailable_reason(self) -> tuple[str, bool] | None:
+        """(reason, is_loading) of the first arm that cannot serve; None when all can."""
+        for deployment, arm in self.arms():
+            reason = arm.unavailable_reason
+            if reason is not None:
+                return f"{deployment.name}/{arm.name}: {reason}", arm.is_loading
+        return None
+
+    def gauges(self) -> list[ArmGauges]:
+        return [g for d, a in self.arms() if (g := a.gauges(d.name)) is not None]

@@ -1,0 +1,190 @@
+"""An arm that runs an Engine in this process (a torch model or the weight-free simulator)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+
+from backends.base import Backend
+from gateway.context import RequestContext
+from gateway.deployment import Arm, Deployment, Reply
+from gateway.metrics import ArmGauges
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.serving_chat import serve_chat
+from gateway.serving_common import EngineRuntime, ServingOptions
+from gateway.serving_completion import serve_completion
+from gateway.settings import Settings
+from schedulers.base import SchedulerConfig
+from schedulers.engine import Engine
+
+
+class LocalArm(Arm):
+    """A scheduler policy and a backend, driven by an Engine loop thread.
+
+    `load_backend` runs on a worker thread in `start` (loading weights takes seconds); the
+    engine's context window is `max_model_len` if given, else the backend's.
+    """
+
+    kind = "local"
+
+    def __init__(
+        self,
+        name: str,
+        load_backend: Callable[[], Backend],
+        *,
+        scheduler: str = "orca",
+        config: SchedulerConfig | None = None,
+        options: ServingOptions | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.name = name
+        self.scheduler = scheduler
+        self._load_backend = load_backend
+        self._config = config or SchedulerConfig()
+        self._options = options or ServingOptions()
+        self._max_model_len = max_model_len
+        self._runtime: EngineRuntime | None = None
+        self._loading = False
+        self._load_error: str | None = None
+
+    @classmethod
+    def from_backend(
+        cls,
+        backend: Backend,
+        *,
+        name: str | None = None,
+        scheduler: str = "orca",
+        config: SchedulerConfig | None = None,
+        options: ServingOptions | None = None,
+        max_model_len: int | None = None,
+    ) -> LocalArm:
+        """An arm over an already-built backend (tests, notebooks)."""
+        return cls(
+            name or scheduler,
+            lambda: backend,
+            scheduler=scheduler,
+            config=config,
+            options=options,
+            max_model_len=max_model_len,
+        )
+
+    @property
+    def engine(self) -> Engine:
+        return self.runtime.engine
+
+    @property
+    def runtime(self) -> EngineRuntime:
+        if self._runtime is None:
+            raise RuntimeError(f"arm {self.name!r} has not started")
+        return self._runtime
+
+    async def start(self) -> None:
+        self._loading = True
+        try:
+            backend = await asyncio.to_thread(self._load_backend)
+            max_model_len = min(self._max_model_len or backend.max_model_len, backend.max_model_len)
+            config = dataclasses.replace(self._config, max_model_len=max_model_len)
+            engine = Engine(backend, self.scheduler, config, name=self.name)
+            engine.start()
+            self._runtime = EngineRuntime(engine, self._options, self.scheduler)
+        except Exception as exc:
+            self._load_error = f"loading failed: {exc}"
+            raise
+        finally:
+            self._loading = False
+
+    async def stop(self) -> None:
+        if self._runtime is not None:
+            engine = self._runtime.engine
+            await asyncio.to_thread(engine.stop)
+            engine.backend.close()
+
+    @property
+    def is_loading(self) -> bool:
+        return self._loading or (self._runtime is None and self._load_error is None)
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        if self._load_error is not None:
+            return self._load_error
+        if self._runtime is None:
+            return "the model is loading"
+        engine = self._runtime.engine
+        if not engine.is_alive:
+            return engine.dead_reason or "the engine has stopped"
+        return None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return None if self._runtime is None else self._runtime.max_model_len
+
+    async def chat(self, request: ChatCompletionRequest, ctx: RequestContext) -> Reply:
+        return await serve_chat(self.runtime, request, ctx)
+
+    async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
+        return await serve_completion(self.runtime, request, ctx)
+
+    def gauges(self, model: str) -> ArmGauges | None:
+        if self._runtime is None:
+            return None
+        engine = self._runtime.engine
+        return ArmGauges(model, self.name, engine.num_running, engine.num_waiting, engine.kv_usage)
+
+
+# -- from settings --------------------------------------------------------------------------
+
+
+def load_backend(settings: Settings) -> Backend:
+    """The backend `settings` name; torch is imported only here, only when asked for."""
+    if settings.backend == "sim":
+        from backends.sim import SimBackend
+
+        return SimBackend(
+            num_blocks=settings.sim_num_blocks,
+            block_size=settings.block_size,
+            max_model_len=settings.max_model_len or settings.sim_max_model_len,
+            time_scale=settings.sim_time_scale,
+        )
+    from backends.torch.runner import TorchBackend
+
+    return TorchBackend.load(
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        kv_cache_gb=settings.kv_cache_gb,
+        block_size=settings.block_size,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+    )
+
+
+def scheduler_config(settings: Settings) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        batch_wait_ms=settings.batch_wait_ms,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+    )
+
+
+def serving_options(settings: Settings) -> ServingOptions:
+    return ServingOptions(
+        default_max_tokens=settings.default_max_tokens,
+        max_waiting_requests=settings.max_waiting_requests,
+        retry_after_s=settings.retry_after_s,
+        disconnect_poll_s=settings.disconnect_poll_s,
+    )
+
+
+def deployment_from_settings(settings: Settings) -> Deployment:
+    """One deployment named `settings.model_name` with one local arm."""
+    arm = LocalArm(
+        settings.scheduler,
+        lambda: load_backend(settings),
+        scheduler=settings.scheduler,
+        config=scheduler_config(settings),
+        options=serving_options(settings),
+        max_model_len=settings.max_model_len,
+    )
+    return Deployment(settings.model_name, [arm])

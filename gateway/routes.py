@@ -1,0 +1,156 @@
+"""HTTP routes: parse and authenticate, pick the deployment's arm, shape its reply.
+
+The per-endpoint pipelines live with the arms (serving_chat / serving_completion); a route
+only turns the body into a request model, asks the arm, and frames the answer as JSON or
+SSE. Every request ends in exactly one access log line (`RequestContext.finish`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from gateway import carousel_version
+from gateway.auth import require_api_key
+from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
+from gateway.deployment import Arm, Reply
+from gateway.errors import APIError, error_body, from_validation_error, invalid
+from gateway.metrics import CONTENT_TYPE
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.streaming import SSEResponse
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+        # NOTE: JSON may escape lone surrogates (\ud800) that no tokenizer can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeError included
+        raise invalid(
+            f"We could not parse the JSON body of your request ({exc}). The API expects a "
+            "JSON object of valid UTF-8 text in the request body.",
+        ) from None
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.")
+    return body
+
+
+def parse(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc.errors()) from None
+
+
+async def _serve(
+    request: Request,
+    endpoint: str,
+    model: type[RequestT],
+    call: Callable[[Arm, RequestT, RequestContext], Awaitable[Reply]],
+) -> Response:
+    state = _state(request)
+    ctx = RequestContext(
+        request_id=request.state.request_id,
+        engine_request_id=request.state.engine_request_id,
+        endpoint=endpoint,
+        model="",
+        is_disconnected=request.is_disconnected,
+        metrics=state.metrics,
+        log_prompts=state.settings.log_prompts,
+    )
+    try:
+        parsed = parse(model, await read_json(request))
+        ctx.model, ctx.stream = parsed.model, bool(parsed.stream)
+        arm = state.deployments.get(parsed.model).pick(ctx, state.settings.retry_after_s)
+        reply = await call(arm, parsed, ctx)
+    except APIError as exc:
+        ctx.finish(exc.status_code, exc.message)
+        raise
+    except ClientDisconnected:
+        ctx.finish(CLIENT_CLOSED, "client disconnected")
+        return Response(status_code=CLIENT_CLOSED)
+    except Exception as exc:
+        ctx.finish(500, repr(exc))
+        raise
+    if isinstance(reply, dict):
+        ctx.finish(200)
+        return JSONResponse(reply)
+    return SSEResponse(reply, ctx.finish, ping_s=state.settings.sse_ping_s)
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat", ChatCompletionRequest, lambda a, r, c: a.chat(r, c))
+
+
+@v1.post("/completions")
+async def completions(request: Request) -> Response:
+    return await _serve(
+        request, "completions", CompletionRequest, lambda a, r, c: a.completion(r, c)
+    )
+
+
+def _card(state: GatewayState, name: str) -> ModelCard:
+    deployment = state.deployments.get(name)
+    return ModelCard(
+        id=deployment.name,
+        created=deployment.created,
+        root=state.settings.model if deployment.name == state.settings.model_name else None,
+        max_model_len=deployment.max_model_len,
+    )
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return ModelList(data=[_card(state, d.name) for d in state.deployments]).model_dump()
+
+
+@v1.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    return _card(_state(request), model_id).model_dump()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = _state(request)
+    problem = state.deployments.unavailable_reason()
+    if problem is None:
+        return JSONResponse({"status": "ok"})
+    reason, loading = problem
+    body = error_body(
+        f"Not ready: {reason}", "server_error", None, "model_loading" if loading else "engine_dead"
+    )
+    headers = {"Retry-After": str(state.settings.retry_after_s)}
+    return JSONResponse(body, status_code=503, headers=headers)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": carousel_version()}
+
+
+router.include_router(v1)

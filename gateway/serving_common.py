@@ -1,0 +1,302 @@
+"""Pipeline steps shared by chat and completions: request -> SamplingParams -> engine stream.
+
+`EngineRuntime` is what a pipeline needs from a local arm: the engine, its tokenizer and
+the serving limits. Engine exceptions become OpenAI errors here: AdmissionError -> 400
+(`context_length_exceeded`), EngineDeadError -> 503, a full waiting queue -> 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import anyio
+import structlog
+
+from gateway.context import ClientDisconnected, RequestContext
+from gateway.engine_stream import OutputStream
+from gateway.errors import (
+    APIError,
+    context_length_exceeded,
+    invalid,
+    overloaded,
+    server_error,
+    unavailable,
+    unsupported,
+)
+from gateway.protocol import MAX_STOP_SEQUENCES, SamplingRequest
+from schedulers.base import AdmissionError
+from schedulers.engine import Engine, EngineDeadError
+from schedulers.outputs import RequestOutput
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import TokenLogprob
+
+log = structlog.get_logger("carousel.gateway")
+
+#: texts longer than this are tokenized on a worker thread, off the event loop
+_THREAD_TOKENIZE_CHARS = 8192
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """Limits a local arm applies to every request."""
+
+    default_max_tokens: int = 4096
+    max_waiting_requests: int | None = None
+    retry_after_s: int = 1
+    disconnect_poll_s: float = 0.1
+
+
+@dataclass
+class EngineRuntime:
+    """A started engine with its tokenizer, as the pipelines see it."""
+
+    engine: Engine
+    options: ServingOptions
+    scheduler: str
+    token_text: Callable[[int], str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        tokenizer = self.tokenizer
+        self.token_text = lru_cache(maxsize=1 << 16)(lambda t: str(tokenizer.decode([t])))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.backend.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+@dataclass
+class ChoiceResult:
+    """One choice accumulated from its outputs (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs
+        if output.finished:
+            self.finish_reason = output.finish_reason
+            self.num_output_tokens = output.num_output_tokens
+
+
+# -- request -> SamplingParams ------------------------------------------------------------
+
+
+def log_ignored_fields(request: SamplingRequest, ctx: RequestContext) -> None:
+    """One log line naming the unknown fields of `request` (they are ignored)."""
+    if request.model_extra:
+        log.info(
+            "ignored_unknown_fields", request_id=ctx.request_id, fields=sorted(request.model_extra)
+        )
+
+
+def check_stream_options(request: SamplingRequest) -> None:
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def parse_stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise invalid(f"stop may hold at most {MAX_STOP_SEQUENCES} sequences.", "stop")
+    return tuple(s for s in stops if s)
+
+
+def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid(
+                f"logit_bias keys must be token ids, got {key!r}.", "logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise invalid(
+                f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1}).",
+                "logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise invalid(f"logit_bias values must be in [-100, 100], got {value}.", "logit_bias")
+        out[token_id] = value
+    return out
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1}).", param)
+
+
+def completion_budget(
+    requested: int | None,
+    num_prompt_tokens: int,
+    runtime: EngineRuntime,
+    param: str,
+) -> int:
+    """max_tokens for the engine: as asked, else min(default, what the context has left).
+
+    Raises `context_length_exceeded` when prompt + completion exceed the context window.
+    """
+    limit = runtime.max_model_len
+    left = limit - num_prompt_tokens
+    max_tokens = (
+        requested if requested is not None else min(runtime.options.default_max_tokens, left)
+    )
+    if left < 1 or num_prompt_tokens + max_tokens > limit:
+        source = "messages" if param == "messages" else "prompt"
+        raise context_length_exceeded(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in the "
+            f"{source}, {max(max_tokens, 1)} in the completion). Please reduce the length of "
+            f"the {source} or completion.",
+            param,
+        )
+    return max_tokens
+
+
+def sampling_params(
+    request: SamplingRequest, runtime: EngineRuntime, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """The engine's SamplingParams for `request` (OpenAI defaults where a field is absent)."""
+    stop_token_ids = list(request.stop_token_ids or [])
+    check_token_ids(stop_token_ids, runtime.vocab_size, "stop_token_ids")
+    if not request.skip_special_tokens:
+        raise unsupported("skip_special_tokens", ": special tokens are always skipped")
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_k": max(request.top_k or 0, 0),
+        "min_p": request.min_p or 0.0,
+        "seed": request.seed,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "repetition_penalty": request.repetition_penalty or 1.0,
+        "logit_bias": parse_logit_bias(request.logit_bias, runtime.vocab_size),
+        "logprobs": logprobs,
+        "stop": parse_stop(request.stop),
+        "stop_token_ids": tuple(stop_token_ids),
+        "ignore_eos": request.ignore_eos,
+        "n": request.n,
+    }
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:  # NOTE: pydantic checked the ranges; this is a backstop
+        param = next((name for name in kwargs if str(exc).startswith(name)), None)
+        raise invalid(str(exc), param) from None
+
+
+async def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of `text` (no special tokens added: templates already hold them)."""
+    if len(text) > _THREAD_TOKENIZE_CHARS:
+        ids = await anyio.to_thread.run_sync(
+            lambda: tokenizer.encode(text, add_special_tokens=False)
+        )
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return list(ids)
+
+
+# -- engine -------------------------------------------------------------------------------
+
+
+def open_stream(
+    runtime: EngineRuntime,
+    ctx: RequestContext,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    param: str,
+) -> OutputStream:
+    """Submit to the engine, mapping refusals to OpenAI errors (400, 429, 503)."""
+    engine, options = runtime.engine, runtime.options
+    if not engine.is_alive:
+        raise _engine_unavailable(engine, options.retry_after_s)
+    limit = options.max_waiting_requests
+    if limit is not None and engine.num_waiting >= limit:
+        raise overloaded(
+            f"The server is busy: {engine.num_waiting} requests are already waiting. "
+            "Please retry shortly.",
+            options.retry_after_s,
+        )
+    try:
+        return OutputStream(engine, ctx.engine_request_id, prompts, params)
+    except AdmissionError as exc:
+        if exc.code == "context_length_exceeded":
+            raise context_length_exceeded(str(exc), param) from None
+        raise invalid(str(exc), param, exc.code) from None
+    except EngineDeadError:
+        raise _engine_unavailable(engine, options.retry_after_s) from None
+
+
+def _engine_unavailable(engine: Engine, retry_after_s: int) -> APIError:
+    reason = engine.dead_reason or "the engine is not running"
+    return unavailable(f"The model is not available: {reason}", retry_after_s, "engine_dead")
+
+
+def output_error(runtime: EngineRuntime, output: RequestOutput) -> APIError | None:
+    """The error a finished output carries, if any (503 when the engine loop died)."""
+    if output.finish_reason != "error":
+        return None
+    if not runtime.engine.is_alive:
+        return _engine_unavailable(runtime.engine, runtime.options.retry_after_s)
+    log.error("engine_request_failed", request_id=output.request_id, error=output.error)
+    return server_error("The engine failed while running this request.")
+
+
+def record_output(ctx: RequestContext, output: RequestOutput) -> None:
+    """Account one output in the request's log line (first token time, finish reasons)."""
+    if output.token_ids:
+        ctx.mark_first_token()
+        ctx.completion_tokens += len(output.token_ids)  # NOTE: so aborted requests count too
+    if output.finished and output.finish_reason is not None:
+        ctx.finish_reasons.append(output.finish_reason)
+
+
+async def collect(
+    runtime: EngineRuntime, stream: OutputStream, ctx: RequestContext, num_choices: int
+) -> list[ChoiceResult]:
+    """Read every choice to its end, aborting if the client disconnects meanwhile."""
+    results = [ChoiceResult() for _ in range(num_choices)]
+
+    async def read() -> None:
+        async for index, output in stream:
+            record_output(ctx, output)
+            error = output_error(runtime, output)
+            if error is not None:
+                raise error
+            results[index].add(output)
+
+    task = asyncio.ensure_future(read())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=runtime.options.disconnect_poll_s)
+            if not task.done() and await ctx.is_disconnected():
+                raise ClientDisconnected()
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        stream.close()
+    return results

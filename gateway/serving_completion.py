@@ -1,0 +1,188 @@
+"""POST /v1/completions on a local engine: prompt(s) -> tokens -> engine -> a
+`text_completion` body or chunks. Choice `p * n + i` is the i-th choice of prompt p."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+from gateway.context import RequestContext
+from gateway.deployment import Reply
+from gateway.engine_stream import OutputStream
+from gateway.errors import invalid, unsupported
+from gateway.logprobs import completion_logprobs, text_length
+from gateway.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from gateway.serving_common import (
+    ChoiceResult,
+    EngineRuntime,
+    check_stream_options,
+    check_token_ids,
+    collect,
+    completion_budget,
+    encode,
+    log_ignored_fields,
+    open_stream,
+    output_error,
+    record_output,
+    sampling_params,
+)
+from gateway.streaming import PayloadStream
+
+
+def check_unsupported(request: CompletionRequest) -> None:
+    if request.suffix:
+        raise unsupported("suffix", " (no insertion)")
+    if request.best_of is not None and request.best_of != request.n:
+        raise unsupported("best_of", " unless it equals n")
+    if request.echo and request.logprobs is not None:
+        raise invalid(
+            "echo together with logprobs is not supported (prompt logprobs are not computed).",
+            "echo",
+        )
+
+
+async def tokenize_prompts(runtime: EngineRuntime, request: CompletionRequest) -> list[list[int]]:
+    """The prompt as token id lists, whichever of the four OpenAI forms it came in."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompts = [await encode(runtime.tokenizer, prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [await encode(runtime.tokenizer, str(p)) for p in prompt]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [list(p) for p in prompt if isinstance(p, list)]
+    else:
+        prompts = [[int(t) for t in prompt if isinstance(t, int)]]
+    for i, ids in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise invalid("The prompt is empty.", where)
+        check_token_ids(ids, runtime.vocab_size, where)
+    return prompts
+
+
+async def serve_completion(
+    runtime: EngineRuntime, request: CompletionRequest, ctx: RequestContext
+) -> Reply:
+    log_ignored_fields(request, ctx)
+    check_unsupported(request)
+    check_stream_options(request)
+    ctx.scheduler = runtime.scheduler
+    prompts = await tokenize_prompts(runtime, request)
+    ctx.prompt_tokens = sum(len(p) for p in prompts)
+    if isinstance(request.prompt, str):
+        ctx.prompt_text = request.prompt
+    longest = max(len(p) for p in prompts)
+    max_tokens = completion_budget(request.max_tokens, longest, runtime, "prompt")
+    params = sampling_params(request, runtime, max_tokens, request.logprobs)
+    echoes = _echo_texts(runtime, request, prompts)
+    stream = open_stream(runtime, ctx, prompts, params, "prompt")
+    if request.stream:
+        return PayloadStream(_chunks(runtime, request, ctx, stream, echoes), stream.close)
+    results = await collect(runtime, stream, ctx, len(prompts) * request.n)
+    return _body(runtime, request, ctx, results, echoes).model_dump(mode="json")
+
+
+def _echo_texts(
+    runtime: EngineRuntime, request: CompletionRequest, prompts: list[list[int]]
+) -> list[str]:
+    """Per choice, the prompt text to prepend ("" without echo)."""
+    if not request.echo:
+        return [""] * (len(prompts) * request.n)
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif all(isinstance(p, str) for p in prompt):
+        texts = [str(p) for p in prompt]
+    else:
+        texts = [str(runtime.tokenizer.decode(ids)) for ids in prompts]
+    return [text for text in texts for _ in range(request.n)]
+
+
+def _body(
+    runtime: EngineRuntime,
+    request: CompletionRequest,
+    ctx: RequestContext,
+    results: list[ChoiceResult],
+    echoes: list[str],
+) -> CompletionResponse:
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=echoes[i] + r.text,
+            logprobs=None
+            if request.logprobs is None
+            else completion_logprobs(r.logprobs, runtime.token_text, request.logprobs),
+            finish_reason=r.finish_reason,
+        )
+        for i, r in enumerate(results)
+    ]
+    completion_tokens = sum(r.num_output_tokens for r in results)
+    return CompletionResponse(
+        id=f"cmpl-{ctx.request_id}",
+        created=ctx.created,
+        model=ctx.model,
+        choices=choices,
+        usage=UsageInfo(
+            prompt_tokens=ctx.prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=ctx.prompt_tokens + completion_tokens,
+        ),
+    )
+
+
+async def _chunks(
+    runtime: EngineRuntime,
+    request: CompletionRequest,
+    ctx: RequestContext,
+    stream: OutputStream,
+    echoes: list[str],
+) -> AsyncGenerator[str, None]:
+    """[Echoed prompt per choice], text deltas, a finish chunk per choice, [usage]."""
+    include_usage = request.include_usage
+    offsets = [0] * len(echoes)
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        body = CompletionResponse(
+            id=f"cmpl-{ctx.request_id}",
+            created=ctx.created,
+            model=ctx.model,
+            choices=choices,
+            usage=usage,
+        )
+        return body.model_dump_json(exclude=None if include_usage else {"usage"})
+
+    try:
+        for index, echo in enumerate(echoes):
+            if echo:
+                offsets[index] = len(echo)
+                yield chunk([CompletionChoice(index=index, text=echo)])
+        async for index, output in stream:
+            record_output(ctx, output)
+            error = output_error(runtime, output)
+            if error is not None:
+                raise error
+            logprobs = None
+            if request.logprobs is not None and output.logprobs:
+                logprobs = completion_logprobs(
+                    output.logprobs, runtime.token_text, request.logprobs, offsets[index]
+                )
+                offsets[index] = text_length(logprobs)
+            if output.text or logprobs is not None:
+                yield chunk([CompletionChoice(index=index, text=output.text, logprobs=logprobs)])
+            if output.finished:
+                final = CompletionChoice(index=index, text="", finish_reason=output.finish_reason)
+                yield chunk([final])
+        if include_usage:
+            total = ctx.prompt_tokens + ctx.completion_tokens
+            usage = UsageInfo(
+                prompt_tokens=ctx.prompt_tokens,
+                completion_tokens=ctx.completion_tokens,
+                total_tokens=total,
+            )
+            yield chunk([], usage)
+    finally:
+        stream.close()

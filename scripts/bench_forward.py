@@ -1,0 +1,105 @@
+"""Decode throughput at batch size B: HF's own forward with its KV cache vs our backend.
+
+Usage: python scripts/bench_forward.py [--batch-sizes 1,8,32,64] [--steps 32] [--prompt-len 64]
+
+Both sides run the same model weights, greedy, on the same device and dtype, one after the
+other in this process, so the ratio is meaningful on a noisy machine. "engine-bare" is our
+backend's `execute` (flat selective-batching forward over the paged KV cache plus sampling)
+in a loop with no scheduler and no HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+import json
+import time
+
+import torch
+from transformers import DynamicCache
+
+from backends.torch.runner import TorchBackend
+from schedulers.batch import Batch
+from schedulers.block_manager import BlockManager
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import Sequence, TokenLogprob
+
+
+def hf_decode_tok_s(model: torch.nn.Module, batch: int, prompt_len: int, steps: int) -> float:
+    """Output tokens/s of HF's forward with a DynamicCache, B sequences decoding together."""
+    ids = torch.randint(100, 1000, (batch, prompt_len), device=model.device)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def engine_decode_tok_s(backend: TorchBackend, batch: int, prompt_len: int, steps: int) -> float:
+    """Output tokens/s of our backend's execute() in a bare loop (no scheduler, no HTTP)."""
+    spec = backend.kv_cache_spec
+    bm = BlockManager(spec.num_blocks, spec.block_size)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    seqs = [
+        Sequence(i, f"b{i}", torch.randint(100, 1000, (prompt_len,)).tolist(), params)
+        for i in range(batch)
+    ]
+
+    def step(num_tokens: list[int]) -> None:
+        b = Batch(iteration=0)
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            b.add(seq, n)
+        out = backend.execute(b)
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            seq.num_computed_tokens += n
+            tok: TokenLogprob = out.sampled[seq.seq_id]
+            seq.output_token_ids.append(tok.token_id)
+
+    step([prompt_len] * batch)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step([1] * batch)
+    if backend.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    for seq in seqs:
+        bm.free(seq)
+        backend.release(seq.seq_id)
+    return batch * steps / elapsed
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON line per B")
+    args = parser.parse_args()
+    backend = TorchBackend.load(
+        args.model, device=args.device, dtype=args.dtype, kv_cache_gb=1.0, max_model_len=1024
+    )
+    model = backend.hf_model
+    print(f"device={backend.device} dtype={backend.dtype} torch_threads={torch.get_num_threads()}")
+    print(f"{'B':>4} {'hf tok/s':>10} {'engine tok/s':>13} {'engine/hf':>10}")
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        engine_decode_tok_s(backend, b, args.prompt_len, 4)  # warm-up
+        hf = hf_decode_tok_s(model, b, args.prompt_len, args.steps)
+        ours = engine_decode_tok_s(backend, b, args.prompt_len, args.steps)
+        if args.json:
+            print(json.dumps({"batch": b, "hf_tok_s": hf, "engine_tok_s": ours}))
+        print(f"{b:>4} {hf:>10.1f} {ours:>13.1f} {ours / hf:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()

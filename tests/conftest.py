@@ -1,0 +1,132 @@
+"""Shared fixtures: a live Carousel server (uvicorn on a loopback socket, in a thread)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from backends.sim import SimBackend
+from gateway.app import create_app
+from gateway.deployment import Deployment
+from gateway.local_arm import LocalArm
+from gateway.serving_common import ServingOptions
+from gateway.settings import Settings
+from schedulers.base import SchedulerConfig
+
+SIM_MODEL = "sim-model"
+
+
+@dataclass
+class LiveServer:
+    """A running app: its base URL, the app, and the local arm behind `SIM_MODEL`."""
+
+    url: str
+    app: FastAPI
+    arm: LocalArm
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+
+@contextmanager
+def serve_app(
+    app: FastAPI, ready_path: str | None = "/health", ready_timeout_s: float = 30.0
+) -> Iterator[str]:
+    """Run `app` on 127.0.0.1:<free port> in a thread; yields the base URL; stops at exit.
+
+    With `ready_path`, waits until it answers 200 (the arms have loaded)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        if ready_path is not None:
+            while httpx.get(url + ready_path).status_code != 200:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the test server did not become ready")
+                time.sleep(0.02)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def sim_arm(
+    *,
+    time_scale: float = 0.0,
+    num_blocks: int = 512,
+    max_model_len: int = 1024,
+    max_num_seqs: int = 8,
+    options: ServingOptions | None = None,
+    scheduler: str = "orca",
+) -> LocalArm:
+    """A local arm over the weight-free simulator backend."""
+    backend = SimBackend(num_blocks=num_blocks, max_model_len=max_model_len, time_scale=time_scale)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    return LocalArm.from_backend(backend, scheduler=scheduler, config=config, options=options)
+
+
+def start_server(
+    stack: ExitStack, arm: LocalArm | None = None, wait_ready: bool = True, **settings: Any
+) -> LiveServer:
+    """Start an app serving `arm` as SIM_MODEL; it stops when `stack` closes."""
+    arm = arm or sim_arm()
+    settings.setdefault("served_model_name", SIM_MODEL)
+    app = create_app(Settings(backend="sim", **settings), [Deployment(SIM_MODEL, [arm])])
+    url = stack.enter_context(serve_app(app, "/health" if wait_ready else None))
+    return LiveServer(url, app, arm)
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., LiveServer]]:
+    """Factory: `make_server(arm=..., **settings)` starts a server; all stop at teardown."""
+    with ExitStack() as stack:
+        yield lambda arm=None, wait_ready=True, **settings: start_server(
+            stack, arm, wait_ready, **settings
+        )
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[LiveServer]:
+    """One shared fast server (instant simulator) for tests that do not change settings."""
+    with ExitStack() as stack:
+        yield start_server(stack)
+
+
+def sse_payloads(body: str) -> list[str]:
+    """The `data:` payloads before `[DONE]`, asserting OpenAI's exact framing on the way."""
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    events = body.split("\n\n")
+    assert events[-1] == ""
+    payloads = []
+    for event in events[:-1]:
+        if event.startswith(":"):  # a keep-alive comment
+            continue
+        assert event.startswith("data: ") and "\n" not in event, event
+        payloads.append(event.removeprefix("data: "))
+    assert payloads.pop() == "[DONE]" and "[DONE]" not in payloads
+    return payloads
