@@ -21,8 +21,8 @@ from fastapi import FastAPI
 
 from gateway import carousel_version
 from gateway.deployment import Deployment, Deployments
+from gateway.deployment_factory import deployment_from_settings
 from gateway.errors import install_error_handlers
-from gateway.local_arm import deployment_from_settings
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from gateway.routes import router
@@ -43,6 +43,8 @@ class GatewayState:
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def start(self) -> None:
+        for deployment, arm in self.deployments.arms():
+            arm.bind_metrics(self.metrics, deployment.name)
         self._start_task = asyncio.create_task(self._start_arms())
 
     async def _start_arms(self) -> None:

@@ -45,6 +45,11 @@ class RequestContext:
     ttft_s: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
     prompt_text: str | None = None
+    #: the JSON body as the client sent it (upstream arms forward it)
+    raw_body: dict[str, Any] = field(default_factory=dict)
+    #: gaps between successive token deliveries of this request (inter-token latency)
+    itl_s: list[float] = field(default_factory=list)
+    _last_token_at: float | None = None
     #: the engine's id; differs from `request_id` (by a suffix) when the client chose that
     engine_request_id: str = ""
     _done: bool = False
@@ -52,9 +57,14 @@ class RequestContext:
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
 
-    def mark_first_token(self) -> None:
+    def mark_token(self) -> None:
+        """Record a token delivery: the first sets TTFT, later ones add an ITL gap."""
+        now = time.monotonic()
         if self.ttft_s is None:
-            self.ttft_s = time.monotonic() - self.start
+            self.ttft_s = now - self.start
+        elif self._last_token_at is not None:
+            self.itl_s.append(now - self._last_token_at)
+        self._last_token_at = now
 
     def finish(self, status: int, error: str | None = None) -> None:
         """Log the request and count it in the metrics (only the first call counts)."""

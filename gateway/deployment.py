@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from gateway.context import RequestContext
-from gateway.errors import model_not_found, unavailable
-from gateway.metrics import ArmGauges
+from gateway.errors import invalid, model_not_found, unavailable
+from gateway.metrics import ArmGauges, GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.routing import ARM_HEADER, choose_by_weight, draw_point
 
 #: a non-streaming reply is the response body; a streaming one yields chunk payloads (JSON)
 Reply: TypeAlias = dict[str, Any] | AsyncIterator[str]
@@ -29,6 +30,8 @@ class Arm(abc.ABC):
 
     name: str
     kind: str
+    #: share of the deployment's traffic (relative to the other arms' weights)
+    weight: float = 1.0
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -60,6 +63,13 @@ class Arm(abc.ABC):
     async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
         """Serve POST /v1/completions."""
 
+    def bind_metrics(self, metrics: GatewayMetrics, model: str) -> None:  # noqa: B027
+        """Called once before `start`: where the arm reports engine-level series."""
+
+    def trace(self) -> dict[str, Any] | None:
+        """The arm's iteration trace (`/debug/trace`); None for arms without an engine."""
+        return None
+
     def gauges(self, model: str) -> ArmGauges | None:
         """Engine occupancy for /metrics (None for arms without a local engine)."""
         return None
@@ -73,16 +83,46 @@ class Deployment:
     arms: list[Arm]
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def pick(self, ctx: RequestContext, retry_after_s: int) -> Arm:
-        """The arm that serves this request (503 when it cannot take requests now)."""
-        arm = self.arms[0]
+    def pick(
+        self,
+        ctx: RequestContext,
+        retry_after_s: int,
+        requested: str | None = None,
+        user: str | None = None,
+    ) -> Arm:
+        """The arm that serves this request (see gateway/routing.py for the rule)."""
+        if requested is not None:
+            arm = self.arm(requested)
+            self._check_available(arm, retry_after_s)
+        else:
+            ready = [a for a in self.arms if a.unavailable_reason is None]
+            chosen = choose_by_weight(ready, draw_point(user))
+            if chosen is None:  # nothing ready: report why the first weighted arm is not
+                weighted = [a for a in self.arms if a.weight > 0] or self.arms
+                self._check_available(weighted[0], retry_after_s)
+                raise unavailable(f"No arm of `{self.name}` can serve now", retry_after_s)
+            arm = chosen
+        ctx.arm = arm.name
+        return arm
+
+    def arm(self, name: str) -> Arm:
+        """The arm called `name` (400 naming the header when there is none)."""
+        for arm in self.arms:
+            if arm.name == name:
+                return arm
+        known = ", ".join(a.name for a in self.arms)
+        raise invalid(
+            f"The model `{self.name}` has no arm named `{name}`; its arms are: {known}.",
+            param=ARM_HEADER,
+            code="arm_not_found",
+        )
+
+    def _check_available(self, arm: Arm, retry_after_s: int) -> None:
         reason = arm.unavailable_reason
         if reason is not None:
             code = "model_loading" if arm.is_loading else "engine_dead"
-            message = f"The model `{self.name}` is not available: {reason}"
+            message = f"The model `{self.name}` (arm `{arm.name}`) is not available: {reason}"
             raise unavailable(message, retry_after_s, code)
-        ctx.arm = arm.name
-        return arm
 
     @property
     def max_model_len(self) -> int | None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from backends.base import Backend
 from gateway.context import RequestContext
-from gateway.deployment import Arm, Deployment, Reply
-from gateway.metrics import ArmGauges
+from gateway.deployment import Arm, Reply
+from gateway.metrics import ArmGauges, GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving_chat import serve_chat
 from gateway.serving_common import EngineRuntime, ServingOptions
@@ -47,6 +48,7 @@ class LocalArm(Arm):
         self._runtime: EngineRuntime | None = None
         self._loading = False
         self._load_error: str | None = None
+        self._metrics: tuple[GatewayMetrics, str] | None = None
 
     @classmethod
     def from_backend(
@@ -86,6 +88,9 @@ class LocalArm(Arm):
             max_model_len = min(self._max_model_len or backend.max_model_len, backend.max_model_len)
             config = dataclasses.replace(self._config, max_model_len=max_model_len)
             engine = Engine(backend, self.scheduler, config, name=self.name)
+            if self._metrics is not None:
+                metrics, model = self._metrics
+                metrics.watch_engine(engine, model, self.name)
             engine.start()
             self._runtime = EngineRuntime(engine, self._options, self.scheduler)
         except Exception as exc:
@@ -93,6 +98,9 @@ class LocalArm(Arm):
             raise
         finally:
             self._loading = False
+
+    def bind_metrics(self, metrics: GatewayMetrics, model: str) -> None:
+        self._metrics = (metrics, model)
 
     async def stop(self) -> None:
         if self._runtime is not None:
@@ -124,6 +132,17 @@ class LocalArm(Arm):
 
     async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
         return await serve_completion(self.runtime, request, ctx)
+
+    def trace(self) -> dict[str, Any] | None:
+        if self._runtime is None:
+            return None
+        engine = self._runtime.engine
+        return {
+            "kind": self.kind,
+            "scheduler": self.scheduler,
+            "max_num_seqs": engine.config.max_num_seqs,
+            "iterations": [dataclasses.asdict(r) for r in list(engine.trace)],
+        }
 
     def gauges(self, model: str) -> ArmGauges | None:
         if self._runtime is None:
@@ -175,16 +194,3 @@ def serving_options(settings: Settings) -> ServingOptions:
         retry_after_s=settings.retry_after_s,
         disconnect_poll_s=settings.disconnect_poll_s,
     )
-
-
-def deployment_from_settings(settings: Settings) -> Deployment:
-    """One deployment named `settings.model_name` with one local arm."""
-    arm = LocalArm(
-        settings.scheduler,
-        lambda: load_backend(settings),
-        scheduler=settings.scheduler,
-        config=scheduler_config(settings),
-        options=serving_options(settings),
-        max_model_len=settings.max_model_len,
-    )
-    return Deployment(settings.model_name, [arm])

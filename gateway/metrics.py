@@ -17,6 +17,9 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from gateway.context import RequestContext
+    from schedulers.engine import Engine
+    from schedulers.outputs import IterationRecord
+    from schedulers.sequence import Sequence
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -55,60 +58,107 @@ class _ArmCollector(Collector):
         yield from families.values()
 
 
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
 class GatewayMetrics:
-    """Counters and histograms the gateway updates once per request."""
+    """Request-level series the gateway updates once per request, and engine-level series
+    each local arm's engine feeds every iteration (`watch_engine`)."""
 
     def __init__(self, arm_gauges: Callable[[], Iterable[ArmGauges]] | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model", "arm"]
-        self.requests = Counter(
-            "carousel_requests",
-            "HTTP requests to the OpenAI endpoints by status code",
-            ["endpoint", "status"],
-            registry=self.registry,
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.requests = counter(
+            "carousel_requests", "HTTP requests to the OpenAI endpoints", ("endpoint", "status")
         )
-        self.request_success = Counter(
-            "carousel_request_success",
-            "Choices finished, by finish reason",
-            [*labels, "finished_reason"],
-            registry=self.registry,
+        self.request_success = counter(
+            "carousel_request_success", "Choices finished, by finish reason", ("finished_reason",)
         )
-        self.prompt_tokens = Counter(
-            "carousel_prompt_tokens", "Prompt tokens processed", labels, registry=self.registry
-        )
-        self.generation_tokens = Counter(
-            "carousel_generation_tokens", "Tokens generated", labels, registry=self.registry
-        )
-        self.ttft = Histogram(
+        self.prompt_tokens = counter("carousel_prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("carousel_generation_tokens", "Tokens generated")
+        self.ttft = histogram(
             "carousel_time_to_first_token_seconds",
             "Time from request arrival to the first generated token",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.itl = histogram(
+            "carousel_inter_token_latency_seconds",
+            "Gap between successive token deliveries of one request",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
             "carousel_e2e_request_latency_seconds",
             "Time from request arrival to its last byte",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
+        self.queue_time = histogram(
+            "carousel_request_queue_time_seconds",
+            "Time a sequence waited in the engine before its first iteration",
+            _LATENCY_BUCKETS,
+        )
+        self.preemptions = counter(
+            "carousel_num_preemptions", "Sequences preempted for lack of KV blocks"
+        )
+        self.iteration_batch_size = histogram(
+            "carousel_iteration_batch_size", "Sequences in one engine iteration", _BATCH_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "carousel_iteration_tokens", "Tokens computed in one engine iteration", _TOKEN_BUCKETS
+        )
+        self.iterations = counter("carousel_iterations", "Engine iterations run")
         if arm_gauges is not None:
             self.registry.register(_ArmCollector(arm_gauges))
 
     def observe_request(self, ctx: RequestContext, status: int, total_s: float) -> None:
-        self.requests.labels(ctx.endpoint, str(status)).inc()
+        labels = (ctx.model or "", ctx.arm or "")
+        self.requests.labels(*labels, ctx.endpoint, str(status)).inc()
         if ctx.arm is None:
             return
-        labels = (ctx.model, ctx.arm)
         self.prompt_tokens.labels(*labels).inc(ctx.prompt_tokens)
         self.generation_tokens.labels(*labels).inc(ctx.completion_tokens)
         for reason in ctx.finish_reasons:
             self.request_success.labels(*labels, reason).inc()
         if ctx.ttft_s is not None:
             self.ttft.labels(*labels).observe(ctx.ttft_s)
+        itl = self.itl.labels(*labels)
+        for gap in ctx.itl_s:
+            itl.observe(gap)
         if status == 200:
             self.e2e.labels(*labels).observe(total_s)
+
+    def watch_engine(self, engine: Engine, model: str, arm: str) -> None:
+        """Feed this engine's iterations and finished sequences into the arm's series.
+
+        NOTE: the listeners run on the engine thread; prometheus_client is thread-safe.
+        """
+        batch_size = self.iteration_batch_size.labels(model, arm)
+        tokens = self.iteration_tokens.labels(model, arm)
+        preemptions = self.preemptions.labels(model, arm)
+        iterations = self.iterations.labels(model, arm)
+        queue_time = self.queue_time.labels(model, arm)
+
+        def on_iteration(record: IterationRecord) -> None:
+            iterations.inc()
+            batch_size.observe(record.batch_size)
+            tokens.observe(record.num_tokens)
+            if record.num_preempted:
+                preemptions.inc(record.num_preempted)
+
+        def on_finish(seq: Sequence) -> None:
+            if seq.first_scheduled_time is not None:
+                queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
+
+        engine.iteration_listeners.append(on_iteration)
+        engine.finish_listeners.append(on_finish)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ from gateway.deployment import Arm, Reply
 from gateway.errors import APIError, error_body, from_validation_error, invalid
 from gateway.metrics import CONTENT_TYPE
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.routing import ARM_HEADER
 from gateway.streaming import SSEResponse
 
 if TYPE_CHECKING:
@@ -77,12 +78,17 @@ async def _serve(
         log_prompts=state.settings.log_prompts,
     )
     try:
-        parsed = parse(model, await read_json(request))
-        ctx.model, ctx.stream = parsed.model, bool(parsed.stream)
-        arm = state.deployments.get(parsed.model).pick(ctx, state.settings.retry_after_s)
+        body = await read_json(request)
+        parsed = parse(model, body)
+        ctx.model, ctx.stream, ctx.raw_body = parsed.model, bool(parsed.stream), body
+        deployment = state.deployments.get(parsed.model)
+        requested = request.headers.get(ARM_HEADER)
+        arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
         reply = await call(arm, parsed, ctx)
     except APIError as exc:
         ctx.finish(exc.status_code, exc.message)
+        if ctx.arm is not None:
+            exc.headers[ARM_HEADER] = ctx.arm
         raise
     except ClientDisconnected:
         ctx.finish(CLIENT_CLOSED, "client disconnected")
@@ -90,10 +96,13 @@ async def _serve(
     except Exception as exc:
         ctx.finish(500, repr(exc))
         raise
+    headers = {ARM_HEADER: arm.name}
     if isinstance(reply, dict):
         ctx.finish(200)
-        return JSONResponse(reply)
-    return SSEResponse(reply, ctx.finish, ping_s=state.settings.sse_ping_s)
+        return JSONResponse(reply, headers=headers)
+    response = SSEResponse(reply, ctx.finish, ping_s=state.settings.sse_ping_s)
+    response.headers.update(headers)
+    return response
 
 
 @v1.post("/chat/completions")
@@ -148,9 +157,41 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+debug = APIRouter(prefix="/debug", dependencies=[Depends(require_api_key)])
+
+
+@debug.get("/trace")
+async def iteration_trace(
+    request: Request, arm: str | None = None, since: float | None = None, limit: int = 0
+) -> dict[str, Any]:
+    """Each local arm's recent iterations (start, duration, sequences, prefill/decode tokens).
+
+    `arm` keeps one arm, `since` (unix seconds) keeps iterations that started after it, and
+    `limit` > 0 keeps the last `limit` of them.
+    """
+    state = _state(request)
+    arms: dict[str, Any] = {}
+    for _, candidate in state.deployments.arms():
+        if arm is not None and candidate.name != arm:
+            continue
+        trace = candidate.trace()
+        if trace is None:
+            continue
+        iterations = trace["iterations"]
+        if since is not None:
+            iterations = [it for it in iterations if it["start"] >= since]
+        if limit > 0:
+            iterations = iterations[-limit:]
+        arms[candidate.name] = {**trace, "iterations": iterations}
+    if arm is not None and arm not in arms:
+        raise invalid(f"No local arm named `{arm}` has a trace.", param="arm")
+    return {"arms": arms}
+
+
 @router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": carousel_version()}
 
 
 router.include_router(v1)
+router.include_router(debug)

@@ -266,7 +266,7 @@ def output_error(runtime: EngineRuntime, output: RequestOutput) -> APIError | No
 def record_output(ctx: RequestContext, output: RequestOutput) -> None:
     """Account one output in the request's log line (first token time, finish reasons)."""
     if output.token_ids:
-        ctx.mark_first_token()
+        ctx.mark_token()
         ctx.completion_tokens += len(output.token_ids)  # NOTE: so aborted requests count too
     if output.finished and output.finish_reason is not None:
         ctx.finish_reasons.append(output.finish_reason)

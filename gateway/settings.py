@@ -24,6 +24,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from gateway.arm_settings import ArmSettings, check_arms
+
 DEFAULT_MODEL = "default"
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 _config_file: ContextVar[str | None] = ContextVar("carousel_config_file", default=None)
@@ -52,6 +54,9 @@ class Settings(BaseSettings):
     sim_time_scale: float = Field(default=0.0, ge=0)
     sim_num_blocks: int = Field(default=4096, ge=1)
     sim_max_model_len: int = Field(default=4096, ge=1)
+
+    #: the deployment's arms (gateway/arm_settings.py); None: one local arm from the flags
+    arms: list[ArmSettings] | None = None
 
     # -- HTTP -----------------------------------------------------------------------------
     host: str = "127.0.0.1"
@@ -83,6 +88,11 @@ class Settings(BaseSettings):
                 return json.loads(text)
             return [k.strip() for k in text.split(",") if k.strip()]
         return value
+
+    @field_validator("arms")
+    @classmethod
+    def _check_arms(cls, value: list[ArmSettings] | None) -> list[ArmSettings] | None:
+        return None if value is None else check_arms(value)
 
     @property
     def model_name(self) -> str:

@@ -129,8 +129,9 @@ def test_health_version_and_metrics(server: LiveServer) -> None:
         [line] = [ln for ln in text.splitlines() if ln.startswith(prefix)]
         return float(line.rsplit(" ", 1)[1])
 
-    assert value('carousel_requests_total{endpoint="completions",status="200"}') >= 1
-    assert value('carousel_requests_total{endpoint="completions",status="404"}') >= 1
+    ok = f'carousel_requests_total{{arm="orca",endpoint="completions",model="{SIM_MODEL}"'
+    assert value(ok + ',status="200"}') >= 1
+    assert value('carousel_requests_total{arm="",endpoint="completions",model="nope"') >= 1
     labels = f'{{arm="orca",model="{SIM_MODEL}"}}'
     assert value(f"carousel_prompt_tokens_total{labels}") >= 3
     assert value(f"carousel_generation_tokens_total{labels}") >= 4
