@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean bench
 
 install: $(STAMP)
 
@@ -27,3 +27,6 @@ lint: install
 
 clean:
 	rm -rf $(VENV)
+
+bench: install
+	$(PY) scripts/reference_bench.py

@@ -17,8 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from backends.base import Backend
 from backends.detokenizer import IncrementalDetokenizer
 from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
@@ -28,7 +26,22 @@ from schedulers.outputs import IterationRecord, RequestOutput
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import FinishReason, Sequence
 
-log = structlog.get_logger("carousel.engine")
+try:  # NOTE: the engine path runs without the HTTP layer's packages (scripts/gpu-check.sh)
+    import structlog
+
+    _log: Any = structlog.get_logger("carousel.engine")
+except ImportError:  # pragma: no cover - exercised on bare GPU machines
+    import logging
+
+    _log = None
+
+
+def log_exception(event: str, **fields: Any) -> None:
+    """Log `event` with the current exception, through structlog when it is installed."""
+    if _log is not None:
+        _log.exception(event, **fields)
+    else:  # pragma: no cover
+        logging.getLogger("carousel.engine").exception("%s %s", event, fields)
 
 OutputSink = Callable[[RequestOutput], None]
 __all__ = ["AdmissionError", "Engine", "EngineDeadError", "OutputSink"]
@@ -75,6 +88,9 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._stopped = False
+        #: sequences submitted but not yet in the scheduler's queue (counted as waiting)
+        self._num_queued_seqs = 0
         self._seq_ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -89,6 +105,7 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still in flight end with an error."""
+        self._stopped = True
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -98,6 +115,11 @@ class Engine:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def was_stopped(self) -> bool:
+        """Whether `stop()` ended the loop (a shutdown, not a crash: see `dead_reason`)."""
+        return self._stopped
 
     # -- caller-facing API (any thread) --------------------------------------------------
 
@@ -153,7 +175,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Sequences queued, including those submitted since the loop last took commands."""
+        return len(self.scheduler.waiting) + self._num_queued_seqs
 
     @property
     def kv_usage(self) -> float:
@@ -164,6 +187,8 @@ class Engine:
     def _command(self, kind: str, payload: Any) -> None:
         with self._lock:
             self._commands.append((kind, payload))
+            if kind == "add":
+                self._num_queued_seqs += len(payload.seqs)
         self._wake.set()
 
     def _make_seqs(
@@ -190,6 +215,7 @@ class Engine:
             while not self._stopping:
                 self._wake.clear()
                 self._drain_commands()
+                self._expire_waiting()
                 if not self.scheduler.has_work:
                     self._wake.wait()
                     continue
@@ -202,7 +228,7 @@ class Engine:
                 self._step(batch)
         except BaseException as exc:  # the loop itself failed: make it visible, fail everyone
             self.dead_reason = f"engine loop died: {exc!r}"
-            log.exception("engine_loop_died", engine=self.name)
+            log_exception("engine_loop_died", engine=self.name)
             self._stopping = True
             self._fail_all(self.dead_reason)
 
@@ -213,8 +239,17 @@ class Engine:
         for kind, payload in commands:
             if kind == "add":
                 self._add(payload)
+                with self._lock:
+                    self._num_queued_seqs -= len(payload.seqs)
             else:
                 self._abort(payload)
+
+    def _expire_waiting(self) -> None:
+        """End the requests that waited longer than `max_queue_wait_s` (queue_timeout)."""
+        for seq in self.scheduler.expire_waiting(time.monotonic()):
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                self._emit(request, seq, [], final=True)
 
     def _add(self, request: _Request) -> None:
         if request.request_id in self._requests:
@@ -250,7 +285,7 @@ class Engine:
             output = self.backend.execute(batch)
             self.scheduler.update(batch, output)
         except Exception as exc:  # fail only this step's requests; the loop goes on
-            log.exception("engine_step_failed", engine=self.name, iteration=batch.iteration)
+            log_exception("engine_step_failed", engine=self.name, iteration=batch.iteration)
             message = f"the engine failed while running this request: {exc!r}"
             failed = [(self._requests.get(seq.request_id), seq) for seq in batch.seqs]
             for request, seq in failed:
@@ -292,6 +327,7 @@ class Engine:
             logprobs=list(new) if want_logprobs else [],
             finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
             error=seq.error if final else None,
+            error_code=seq.error_code if final else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             arrival_time=seq.arrival_time,
@@ -310,7 +346,7 @@ class Engine:
         try:
             request.sink(output)
         except Exception:  # a broken consumer must not stop the loop
-            log.exception("output_sink_failed", request_id=request.request_id)
+            log_exception("output_sink_failed", request_id=request.request_id)
 
     def _finish_request_with_error(self, request: _Request, message: str) -> None:
         for seq in request.seqs:
@@ -330,6 +366,7 @@ class Engine:
         with self._lock:
             pending = [p for kind, p in self._commands if kind == "add"]
             self._commands.clear()
+            self._num_queued_seqs = 0
         for request in pending:
             self._finish_request_with_error(request, message)
         for request in list(self._requests.values()):
