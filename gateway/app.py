@@ -5,30 +5,50 @@
 Without `deployments`, one deployment is built from the settings (one local arm). While an
 arm loads, /health and the OpenAI routes answer 503; a load failure is logged, keeps them at
 503 and calls `state.on_fatal` (the CLI uses it to stop the server).
+
+Shutdown (`GatewayServer`, docs/reliability.md): the first SIGTERM/SIGINT starts a drain:
+the listener stays open and new requests get 503 `server_shutting_down`, requests in flight
+get `drain_timeout_s` to finish, then the arms stop (which ends the rest with an error,
+in-band for streams) and uvicorn closes the listener and exits. A second signal skips the
+drain.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 
 import structlog
+import uvicorn
 from fastapi import FastAPI
+from starlette.types import Scope
 
 from gateway import carousel_version
+from gateway.auth import APIKeyMiddleware
+from gateway.context import RequestContext
 from gateway.deployment import Deployment, Deployments
 from gateway.deployment_factory import deployment_from_settings
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from gateway.middleware import (
+    Admission,
+    BodyLimitMiddleware,
+    DrainMiddleware,
+    RequestIdMiddleware,
+)
 from gateway.routes import router
 from gateway.settings import Settings
 
 log = structlog.get_logger("carousel.gateway")
+
+#: the OpenAI endpoints, by the `endpoint` label their requests are counted under
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 @dataclass
@@ -40,7 +60,9 @@ class GatewayState:
     metrics: GatewayMetrics
     on_fatal: Callable[[], None] | None = None
     load_failed: bool = False
+    admission: Admission = field(default_factory=Admission)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():
@@ -67,12 +89,47 @@ class GatewayState:
             )
 
     async def stop(self) -> None:
+        """Stop every arm, once (later calls wait for the first); requests still in flight
+        end with an error."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop_arms())
+        await self._stop_task
+
+    async def _stop_arms(self) -> None:
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._start_task
         for _, arm in self.deployments.arms():
             await arm.stop()
+
+    async def drain(self, timeout_s: float, grace_s: float = 2.0) -> None:
+        """Refuse new requests (503), give those in flight `timeout_s` to finish, then stop
+        the arms, which ends the rest with an error, and give those answers `grace_s`."""
+        admission = self.admission
+        admission.draining = True
+        log.info("drain_started", in_flight=admission.in_flight, timeout_s=timeout_s)
+        if await admission.wait_idle(timeout_s):
+            log.info("drain_finished")
+            return
+        log.warning("drain_timeout", in_flight=admission.in_flight)
+        await self.stop()
+        if not await admission.wait_idle(grace_s):
+            log.warning("drain_abandoned", in_flight=admission.in_flight)
+
+    def record_refusal(self, scope: Scope, status: int, message: str) -> None:
+        """Log (and, on the OpenAI endpoints, count) a request a middleware refused."""
+        request_id = scope.get("state", {}).get("request_id", "")
+        endpoint = _ENDPOINTS.get(scope["path"])
+        if endpoint is None:
+            log.info("refused", path=scope["path"], status=status, request_id=request_id)
+            return
+
+        async def connected() -> bool:
+            return False
+
+        ctx = RequestContext(request_id, endpoint, "", connected, metrics=self.metrics)
+        ctx.finish(status, message)
 
 
 @asynccontextmanager
@@ -92,9 +149,69 @@ def create_app(
     settings = settings or Settings.load()
     served = Deployments(deployments or [deployment_from_settings(settings)])
     app = FastAPI(title="Carousel", version=carousel_version(), lifespan=_lifespan)
-    app.state.gateway = GatewayState(settings, served, GatewayMetrics(served.gauges))
+    state = GatewayState(settings, served, GatewayMetrics(served.gauges))
+    app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    # NOTE: the last added runs first: request id -> drain -> API key -> body limit -> routes
+    refused = state.record_refusal
+    app.add_middleware(
+        BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, on_refused=refused
+    )
+    open_paths = ("/health", "/metrics") if settings.metrics_open else ("/health",)
+    app.add_middleware(
+        APIKeyMiddleware, keys=settings.api_keys, open_paths=open_paths, on_refused=refused
+    )
+    app.add_middleware(
+        DrainMiddleware,
+        admission=state.admission,
+        retry_after_s=settings.retry_after_s,
+        on_refused=refused,
+    )
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, draining on the first SIGTERM/SIGINT (see the module docstring).
+
+    NOTE: uvicorn closes its listening socket only once `should_exit` is set, which here is
+    after the drain: that is what lets new requests get a 503 instead of a refused connection.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: GatewayState, drain_timeout_s: float):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+        self._signalled = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: drain, then exit. Another: end what is in flight and exit now."""
+        if self._loop is None or self.should_exit:
+            super().handle_exit(sig, frame)
+        elif self._signalled:
+            self._loop.call_soon_threadsafe(self._begin_stop)
+            super().handle_exit(sig, frame)
+        else:
+            self._signalled = True
+            self._loop.call_soon_threadsafe(self._begin_drain, sig)
+
+    def _begin_drain(self, sig: int) -> None:
+        self._drain_task = asyncio.create_task(self._drain(sig))
+
+    def _begin_stop(self) -> None:
+        log.warning("drain_skipped", in_flight=self.state.admission.in_flight)
+        self._stop_task = asyncio.create_task(self.state.stop())
+
+    async def _drain(self, sig: int) -> None:
+        try:
+            await self.state.drain(self.drain_timeout_s)
+        finally:
+            super().handle_exit(sig, None)  # NOTE: as uvicorn: exit now, re-raise sig after

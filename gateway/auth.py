@@ -1,13 +1,22 @@
-"""Bearer API keys for /v1/* (when any are configured); /health and /metrics stay open."""
+"""Bearer API keys (when any are configured) on every route but the open ones.
+
+`APIKeyMiddleware` guards the whole app (so a route added later is guarded by default);
+/health is always open, /metrics when `metrics_open`. `require_api_key` is the same check
+as a FastAPI dependency, kept on the /v1 and /debug routers as a second line. Keys are
+compared in constant time and never logged: only that a key was missing or wrong.
+"""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from fastapi import Request
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import AUTHENTICATION, APIError
+from gateway.middleware import OnRefused, refuse
 
 
 def _unauthorized(message: str) -> APIError:
@@ -39,3 +48,30 @@ async def require_api_key(request: Request) -> None:
     """FastAPI dependency for the /v1 router."""
     keys = request.app.state.gateway.settings.api_keys
     check_api_key(request.headers.get("authorization"), keys)
+
+
+class APIKeyMiddleware:
+    """401 `invalid_api_key` for any request outside `open_paths` without a valid key."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Sequence[str],
+        open_paths: Collection[str] = ("/health",),
+        on_refused: OnRefused | None = None,
+    ) -> None:
+        self.app = app
+        self.keys = list(keys)
+        self.open_paths = frozenset(open_paths)
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        try:
+            check_api_key(Headers(scope=scope).get("authorization"), self.keys)
+        except APIError as exc:
+            await refuse(exc, scope, receive, send, self.on_refused)
+            return
+        await self.app(scope, receive, send)

@@ -60,6 +60,18 @@ def _add_serve(sub: Any) -> None:
     )
     g.add_argument("--max-body-bytes", type=int, help="413 above this request size")
     g.add_argument("--max-waiting-requests", type=int, help="429 when this many are queued")
+    g.add_argument("--max-prompt-tokens", type=int, help="400 above this many prompt tokens")
+    g.add_argument(
+        "--max-queue-wait-s", type=float, help="429 when not scheduled within this many seconds"
+    )
+    g.add_argument(
+        "--drain-timeout-s", type=float, help="on SIGTERM, let requests finish this long"
+    )
+    g.add_argument(
+        "--metrics-open",
+        action=argparse.BooleanOptionalAction,
+        help="serve /metrics without an API key (default: yes)",
+    )
     g.add_argument("--default-max-tokens", type=int, help="cap when max_tokens is absent")
     g.add_argument("--log-level", help="debug, info, warning, error")
     g.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
@@ -114,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
     import structlog
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.app import GatewayServer, create_app
     from gateway.logging import configure_logging
 
     settings = load_settings(args)
@@ -139,11 +151,12 @@ def serve(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
     state = app.state.gateway
+    server = GatewayServer(config, state, settings.drain_timeout_s)
     state.on_fatal = lambda: setattr(server, "should_exit", True)
-    # NOTE: uvicorn re-raises the signal that stopped it once it has shut down gracefully;
-    # a no-op handler then makes Ctrl-C / docker stop exit 0 instead of dying by the signal.
+    # NOTE: the first SIGTERM/SIGINT drains (GatewayServer). uvicorn re-raises the signal
+    # that stopped it once it has shut down gracefully; a no-op handler then makes Ctrl-C /
+    # docker stop exit 0 instead of dying by the signal.
     previous = {sig: signal.signal(sig, _shut_down) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()

@@ -24,6 +24,8 @@ AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
+#: `code` of the 503s a draining server answers, and of requests it had to cut short
+SHUTTING_DOWN = "server_shutting_down"
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 
 
@@ -90,10 +92,17 @@ def unavailable(message: str, retry_after_s: int, code: str = "service_unavailab
     return APIError(503, message, SERVER_ERROR, None, code, {"Retry-After": str(retry_after_s)})
 
 
-def overloaded(message: str, retry_after_s: int) -> APIError:
-    """429 with Retry-After: too many requests are already waiting."""
-    return APIError(
-        429, message, RATE_LIMIT, None, "rate_limit_exceeded", {"Retry-After": str(retry_after_s)}
+def overloaded(message: str, retry_after_s: int, code: str = "rate_limit_exceeded") -> APIError:
+    """429 with Retry-After: too many requests are already waiting (or one waited too long)."""
+    return APIError(429, message, RATE_LIMIT, None, code, {"Retry-After": str(retry_after_s)})
+
+
+def shutting_down(retry_after_s: int) -> APIError:
+    """503 with Retry-After: the server is draining before it exits."""
+    return unavailable(
+        "The server is shutting down and takes no new requests. Please retry shortly.",
+        retry_after_s,
+        SHUTTING_DOWN,
     )
 
 

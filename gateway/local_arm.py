@@ -184,6 +184,7 @@ def scheduler_config(settings: Settings) -> SchedulerConfig:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         batch_wait_ms=settings.batch_wait_ms,
         enable_chunked_prefill=settings.enable_chunked_prefill,
+        max_queue_wait_s=settings.max_queue_wait_s,
     )
 
 
@@ -193,4 +194,5 @@ def serving_options(settings: Settings) -> ServingOptions:
         max_waiting_requests=settings.max_waiting_requests,
         retry_after_s=settings.retry_after_s,
         disconnect_poll_s=settings.disconnect_poll_s,
+        max_prompt_tokens=settings.max_prompt_tokens,
     )

@@ -3,8 +3,10 @@
 Requests allow unknown fields (they land in `model_extra`, are logged and ignored, as vLLM
 does). Fields we know but do not implement (tools, response_format, ...) are declared so
 that `unsupported_fields` can refuse them by name instead of silently dropping them.
-Range checks live here as Field constraints so pydantic names the param; cross-field rules
-are in `check_*` functions (raising `errors.invalid`).
+Range checks and size limits live here (Field constraints and field validators) so pydantic
+names the param; cross-field rules are in `check_*` functions (raising `errors.invalid`).
+The limits (OpenAI's where it has one) keep one request's cost bounded: see
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -12,9 +14,22 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 256
+#: messages in one chat request, prompts in one completions request (OpenAI's array limit)
+MAX_ARRAY_ITEMS = 2048
 
 
 class _Request(BaseModel):
@@ -73,18 +88,40 @@ class SamplingRequest(_Request):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @field_validator("stop")
+    @classmethod
+    def _bound_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise _limit(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise _limit(f"each stop sequence may be at most {MAX_STOP_CHARS} characters long")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bound_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+            raise _limit(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}")
+        return bias
+
+
+def _limit(message: str) -> PydanticCustomError:
+    """A validation error whose message is exactly `message` (no "Value error," prefix)."""
+    return PydanticCustomError("limit_exceeded", message)
+
 
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ARRAY_ITEMS)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -115,6 +152,16 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _bound_prompts(
+        cls, prompt: str | list[int] | list[list[int]] | list[str]
+    ) -> str | list[int] | list[list[int]] | list[str]:
+        batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        if batched and len(prompt) > MAX_ARRAY_ITEMS:
+            raise _limit(f"at most {MAX_ARRAY_ITEMS} prompts are allowed, got {len(prompt)}")
+        return prompt
 
 
 # -- responses ----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 `EngineRuntime` is what a pipeline needs from a local arm: the engine, its tokenizer and
 the serving limits. Engine exceptions become OpenAI errors here: AdmissionError -> 400
-(`context_length_exceeded`), EngineDeadError -> 503, a full waiting queue -> 429.
+(`context_length_exceeded`), EngineDeadError -> 503 (`server_shutting_down` after a
+deliberate stop), a full waiting queue or a `queue_timeout` -> 429. docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import structlog
 from gateway.context import ClientDisconnected, RequestContext
 from gateway.engine_stream import OutputStream
 from gateway.errors import (
+    SHUTTING_DOWN,
     APIError,
     context_length_exceeded,
     invalid,
@@ -28,27 +30,35 @@ from gateway.errors import (
     unavailable,
     unsupported,
 )
-from gateway.protocol import MAX_STOP_SEQUENCES, SamplingRequest
+from gateway.protocol import MAX_ARRAY_ITEMS, MAX_STOP_SEQUENCES, SamplingRequest
 from schedulers.base import AdmissionError
 from schedulers.engine import Engine, EngineDeadError
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
-from schedulers.sequence import TokenLogprob
+from schedulers.sequence import QUEUE_TIMEOUT, TokenLogprob
 
 log = structlog.get_logger("carousel.gateway")
 
 #: texts longer than this are tokenized on a worker thread, off the event loop
 _THREAD_TOKENIZE_CHARS = 8192
+#: choices (prompts x n) one request may ask for
+MAX_CHOICES = MAX_ARRAY_ITEMS
 
 
 @dataclass(frozen=True)
 class ServingOptions:
-    """Limits a local arm applies to every request."""
+    """Limits a local arm applies to every request.
+
+    `max_prompt_tokens` (None: the context window) refuses longer prompts with 400
+    `context_length_exceeded`; `max_waiting_requests` (None: unbounded) answers 429 while
+    that many sequences wait in the engine.
+    """
 
     default_max_tokens: int = 4096
     max_waiting_requests: int | None = None
     retry_after_s: int = 1
     disconnect_poll_s: float = 0.1
+    max_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -155,15 +165,26 @@ def completion_budget(
 ) -> int:
     """max_tokens for the engine: as asked, else min(default, what the context has left).
 
-    Raises `context_length_exceeded` when prompt + completion exceed the context window.
+    Raises `context_length_exceeded` when the prompt is over `max_prompt_tokens` or prompt +
+    completion exceed the context window. A `requested` budget larger than the whole window
+    is returned as is, for `sampling_params` to refuse naming its own param.
     """
     limit = runtime.max_model_len
+    source = "messages" if param == "messages" else "prompt"
+    cap = runtime.options.max_prompt_tokens
+    if cap is not None and cap < limit and num_prompt_tokens > cap:
+        raise context_length_exceeded(
+            f"This server accepts at most {cap} prompt tokens. However, your {source} has "
+            f"{num_prompt_tokens} tokens. Please reduce the length of the {source}.",
+            param,
+        )
+    if requested is not None and requested > limit:
+        return requested
     left = limit - num_prompt_tokens
     max_tokens = (
         requested if requested is not None else min(runtime.options.default_max_tokens, left)
     )
     if left < 1 or num_prompt_tokens + max_tokens > limit:
-        source = "messages" if param == "messages" else "prompt"
         raise context_length_exceeded(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in the "
@@ -178,6 +199,14 @@ def sampling_params(
     request: SamplingRequest, runtime: EngineRuntime, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
     """The engine's SamplingParams for `request` (OpenAI defaults where a field is absent)."""
+    if max_tokens > runtime.max_model_len:
+        chat_name = getattr(request, "max_completion_tokens", None) is not None
+        name = "max_completion_tokens" if chat_name else "max_tokens"
+        raise context_length_exceeded(
+            f"{name} is too large: {max_tokens}. This model's maximum context length is "
+            f"{runtime.max_model_len} tokens (prompt and completion together).",
+            name,
+        )
     stop_token_ids = list(request.stop_token_ids or [])
     check_token_ids(stop_token_ids, runtime.vocab_size, "stop_token_ids")
     if not request.skip_special_tokens:
@@ -229,6 +258,13 @@ def open_stream(
 ) -> OutputStream:
     """Submit to the engine, mapping refusals to OpenAI errors (400, 429, 503)."""
     engine, options = runtime.engine, runtime.options
+    num_choices = len(prompts) * params.n
+    if num_choices > MAX_CHOICES:
+        raise invalid(
+            f"This request asks for {num_choices} choices ({len(prompts)} prompts x n="
+            f"{params.n}); at most {MAX_CHOICES} are allowed.",
+            "n" if params.n > 1 else param,
+        )
     if not engine.is_alive:
         raise _engine_unavailable(engine, options.retry_after_s)
     limit = options.max_waiting_requests
@@ -249,16 +285,30 @@ def open_stream(
 
 
 def _engine_unavailable(engine: Engine, retry_after_s: int) -> APIError:
+    if engine.was_stopped and engine.dead_reason is None:
+        return unavailable(
+            "The server is shutting down and could not finish this request. Please retry.",
+            retry_after_s,
+            SHUTTING_DOWN,
+        )
     reason = engine.dead_reason or "the engine is not running"
     return unavailable(f"The model is not available: {reason}", retry_after_s, "engine_dead")
 
 
 def output_error(runtime: EngineRuntime, output: RequestOutput) -> APIError | None:
-    """The error a finished output carries, if any (503 when the engine loop died)."""
+    """The error a finished output carries, if any: 429 for a queue timeout, 503 when the
+    engine stopped or died, else 500."""
     if output.finish_reason != "error":
         return None
+    retry_after_s = runtime.options.retry_after_s
+    if output.error_code == QUEUE_TIMEOUT:
+        return overloaded(
+            f"The server is busy: {output.error}. Please retry shortly.",
+            retry_after_s,
+            QUEUE_TIMEOUT,
+        )
     if not runtime.engine.is_alive:
-        return _engine_unavailable(runtime.engine, runtime.options.retry_after_s)
+        return _engine_unavailable(runtime.engine, retry_after_s)
     log.error("engine_request_failed", request_id=output.request_id, error=output.error)
     return server_error("The engine failed while running this request.")
 

@@ -120,6 +120,16 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _yaml_source(settings_cls)
 
+    # -- reliability (docs/reliability.md) --------------------------------------------------
+    #: 400 context_length_exceeded above this many prompt tokens (None: the context window)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    #: 429 queue_timeout for a request the engine has not scheduled within this (None: never)
+    max_queue_wait_s: float | None = Field(default=None, gt=0)
+    #: on SIGTERM/SIGINT: 503 new requests, let those in flight run this long, then end them
+    drain_timeout_s: float = Field(default=10.0, ge=0)
+    #: serve /metrics without an API key even when api_keys are set
+    metrics_open: bool = True
+
 
 def _yaml_source(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource:
     path = _config_file.get()

@@ -10,24 +10,31 @@ from dataclasses import dataclass
 
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager, blocks_for
-from schedulers.sequence import FinishReason, Sequence, SequenceStatus
+from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Knobs shared by every policy (`batch_wait_ms` is read by `static` only)."""
+    """Knobs shared by every policy (`batch_wait_ms` is read by `static` only).
+
+    `max_queue_wait_s`: a sequence never scheduled this long after it arrived is finished
+    with an error (`error_code` `queue_timeout`) instead of waiting on; None: no limit.
+    """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     batch_wait_ms: float = 0.0
     enable_chunked_prefill: bool = False
+    max_queue_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
+            raise ValueError("max_queue_wait_s must be positive")
 
 
 class AdmissionError(ValueError):
@@ -97,6 +104,31 @@ class Scheduler(abc.ABC):
         seq.error = error
         seq.finish_time = time.monotonic()
         self.block_manager.free(seq)
+
+    def expire_waiting(self, now: float) -> list[Sequence]:
+        """Finish (with `queue_timeout`) waiting sequences never scheduled within
+        `max_queue_wait_s`; return them. Preempted sequences already ran and stay queued."""
+        limit = self.config.max_queue_wait_s
+        if limit is None:
+            return []
+        expired = [
+            seq
+            for seq in self.waiting
+            if seq.first_scheduled_time is None and now - seq.arrival_time > limit
+        ]
+        if not expired:
+            return []
+        gone = set(expired)
+        self.waiting = deque(seq for seq in self.waiting if seq not in gone)
+        for seq in expired:
+            self.finish(
+                seq,
+                FinishReason.ERROR,
+                f"the request waited {now - seq.arrival_time:.1f} s without being scheduled "
+                f"(the limit is {limit:g} s)",
+            )
+            seq.error_code = QUEUE_TIMEOUT
+        return expired
 
     # -- the iteration -----------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ def log_exception(event: str, **fields: Any) -> None:
     else:  # pragma: no cover
         logging.getLogger("carousel.engine").exception("%s %s", event, fields)
 
+
 OutputSink = Callable[[RequestOutput], None]
 __all__ = ["AdmissionError", "Engine", "EngineDeadError", "OutputSink"]
 

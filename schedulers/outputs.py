@@ -13,7 +13,8 @@ class RequestOutput:
     """New text and tokens of one choice (`index`) of one request since its last output.
 
     The last output of a choice has `finish_reason` set: `stop`, `length`, `abort` or
-    `error` (then `error` holds the message). Times are `time.monotonic()` values.
+    `error` (then `error` holds the message and `error_code`, when set, says why: e.g.
+    `queue_timeout`). Times are `time.monotonic()` values.
     """
 
     request_id: str
@@ -23,6 +24,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     arrival_time: float = 0.0

@@ -19,7 +19,11 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # the client went away or asked to cancel
-    ERROR = "error"  # rejected at admission or failed inside a step
+    ERROR = "error"  # rejected at admission, failed inside a step, or waited too long
+
+
+#: `error_code` of a sequence that was never scheduled within `max_queue_wait_s`
+QUEUE_TIMEOUT = "queue_timeout"
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: str | None = None
     block_table: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
