@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from schedulers.engine import Engine
+from schedulers.mailbox import mailbox_for
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
 
@@ -33,7 +34,7 @@ class OutputStream:
         self._engine = engine
         self._n = params.n
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
+        self._mailbox = mailbox_for(asyncio.get_running_loop())
         self._remaining: dict[str, int] = {}
         self._prompt_of: dict[str, int] = {}
         ids = (
@@ -53,7 +54,7 @@ class OutputStream:
 
     def _sink(self, output: RequestOutput) -> None:
         """Called on the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        self._mailbox.post(self._queue, output)
 
     @property
     def finished(self) -> bool:

@@ -22,6 +22,7 @@ from backends.detokenizer import IncrementalDetokenizer
 from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
+from schedulers.mailbox import mailbox_for
 from schedulers.outputs import IterationRecord, RequestOutput
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import FinishReason, Sequence
@@ -148,11 +149,11 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Submit and stream outputs; closing the stream early aborts the request."""
-        loop = asyncio.get_running_loop()
+        mailbox = mailbox_for(asyncio.get_running_loop())
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(output: RequestOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, output)
+            mailbox.post(queue, output)
 
         self.submit(request_id, prompt_token_ids, params, sink)
         remaining = params.n
