@@ -17,7 +17,8 @@ class StaticScheduler(Scheduler):
     A batch takes up to `max_num_seqs` waiting requests in arrival order, waiting up to
     `batch_wait_ms` after the oldest arrived for it to fill. Formation reserves each
     member's worst case (prompt + max_tokens) in KV blocks, as the baseline systems do, so a
-    running batch never runs out. Nobody joins meanwhile; a member that finishes early
+    running batch never runs out. The members' prompts are prefilled together, spread over
+    as many iterations as the token budget needs. Nobody joins meanwhile; a member that finishes early
     returns at once and its seat stays empty until the whole batch is done.
     """
 
@@ -46,19 +47,15 @@ class StaticScheduler(Scheduler):
     def _form_batch(self) -> None:
         bm = self.block_manager
         free_blocks = bm.num_free_blocks
-        prompt_tokens = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             reserve = blocks_for(seq.max_total_tokens, bm.block_size)
-            budget = self.config.max_num_batched_tokens
-            fits_budget = prompt_tokens + seq.num_prompt_tokens <= budget
-            if self.running and (reserve > free_blocks or not fits_budget):
+            if self.running and reserve > free_blocks:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             free_blocks -= reserve
-            prompt_tokens += seq.num_prompt_tokens
 
     def next_wakeup(self) -> float | None:
         if self.running or not self.waiting:

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -83,7 +84,9 @@ async def one_stream(
 async def http_decode_tok_s(url: str, model: str, batch: int, prompt_len: int, steps: int) -> float:
     limits = httpx.Limits(max_connections=batch + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        prompts = [[(100 + 7 * i + j) % 1000 + 100 for j in range(prompt_len)] for i in range(batch)]
+        prompts = [
+            [(100 + 7 * i + j) % 1000 + 100 for j in range(prompt_len)] for i in range(batch)
+        ]
         streams = await asyncio.gather(
             *(one_stream(client, url, model, p, steps) for p in prompts)
         )
@@ -99,6 +102,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median)")
     parser.add_argument("--serve-args", default="", help="extra `carousel serve` flags")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -115,13 +119,20 @@ def main() -> None:
         asyncio.run(http_decode_tok_s(url, model, 2, 8, 8))  # warm-up
         for b in sizes:
             engine_decode_tok_s(backend, b, args.prompt_len, 4)  # warm-up
-            hf = hf_decode_tok_s(backend.hf_model, b, args.prompt_len, args.steps)
-            bare = engine_decode_tok_s(backend, b, args.prompt_len, args.steps)
-            http = asyncio.run(http_decode_tok_s(url, model, b, args.prompt_len, args.steps))
-            rows.append({"batch": b, "hf_tok_s": hf, "bare_tok_s": bare, "http_tok_s": http})
+            runs: dict[str, list[float]] = {"hf": [], "bare": [], "http": []}
+            for _ in range(args.repeats):  # interleaved, so drift hits all three alike
+                runs["hf"].append(hf_decode_tok_s(backend.hf_model, b, args.prompt_len, args.steps))
+                runs["bare"].append(engine_decode_tok_s(backend, b, args.prompt_len, args.steps))
+                runs["http"].append(
+                    asyncio.run(http_decode_tok_s(url, model, b, args.prompt_len, args.steps))
+                )
+            hf, bare, http = (statistics.median(runs[k]) for k in ("hf", "bare", "http"))
+            rows.append({"batch": b, "hf_tok_s": hf, "bare_tok_s": bare, "http_tok_s": http,
+                         "runs": runs})  # fmt: skip
             print(
                 f"B={b:>3}  hf {hf:8.1f}  bare {bare:8.1f}  http {http:8.1f}  "
-                f"http/bare {http / bare:5.2f}  bare/hf {bare / hf:5.2f}",
+                f"http/bare {http / bare:5.2f}  bare/hf {bare / hf:5.2f}  "
+                f"(medians of {args.repeats})",
                 flush=True,
             )
     finally:

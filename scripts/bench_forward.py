@@ -11,9 +11,9 @@ in a loop with no scheduler and no HTTP.
 from __future__ import annotations
 
 import argparse
-import warnings
 import json
 import time
+import warnings
 
 import torch
 from transformers import DynamicCache

@@ -124,8 +124,8 @@ def main() -> None:
         hf = hf_decode_tok_s(backend.hf_model, b, 64, args.steps)
         ours = engine_decode_tok_s(backend, b, 64, args.steps)
         step_ms = b / ours * 1e3
-        rows.append((f"decode B={b}", f"hf {hf:.0f} tok/s, ours {ours:.0f} tok/s",
-                     f"ours/hf {ours / hf:.2f}; step {step_ms:.2f} ms vs floor {floor_ms:.3f} ms"))  # fmt: skip
+        verdict = f"ours/hf {ours / hf:.2f}; step {step_ms:.2f} ms vs floor {floor_ms:.3f} ms"
+        rows.append((f"decode B={b}", f"hf {hf:.0f} tok/s, ours {ours:.0f} tok/s", verdict))
     width = max(len(r[0]) for r in rows)
     for check, value, verdict in rows:
         print(f"{check:<{width}}  {value:<32}  {verdict}")

@@ -109,7 +109,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "reference")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--poisson-rate", type=float, default=1.0)
+    parser.add_argument("--poisson-rate", type=float, default=0.6)
+    parser.add_argument("--poisson-requests", type=int, default=40)
+    parser.add_argument("--input-len", default="uniform:16:64", help="prompt words (DIST)")
     parser.add_argument("--peer-requests", type=int, default=32)
     parser.add_argument("--skip-peer", action="store_true")
     args = parser.parse_args()
@@ -122,15 +124,16 @@ def main() -> None:
     serve = [PY, "-m", "gateway.cli", "serve", "--config", "examples/ab.yaml", "--port", str(port)]
     commands.append(shlex.join(["carousel", *serve[3:]]))
     server = start(serve, f"{url}/health", out / "carousel.log")
-    workload = ["--input-len", "uniform:32:256", "--output-len", "heavy-tail", "--seed", "1"]
+    workload = ["--input-len", args.input_len, "--output-len", "heavy-tail", "--seed", "1"]
     try:
         common = ["--url", f"{url}/v1", "--model", SERVED, "--arm", "orca", "--arm", "static"]
         bench([*common, "--num-requests", str(args.num_requests), "--rate", "inf", *workload,
                "--out", str(out / "burst")], commands)  # fmt: skip
-        bench([*common, "--num-requests", str(args.num_requests), "--rate",
-               str(args.poisson_rate), *workload, "--out", str(out / "poisson")], commands)  # fmt: skip
+        rate = str(args.poisson_rate)
+        bench([*common, "--num-requests", str(args.poisson_requests), "--rate", rate, *workload,
+               "--out", str(out / "poisson")], commands)  # fmt: skip
         peer_load = ["--num-requests", str(args.peer_requests), "--rate", "inf",
-                     "--input-len", "uniform:32:256", "--output-len", "heavy-tail", "--seed", "2",
+                     "--input-len", args.input_len, "--output-len", "heavy-tail", "--seed", "2",
                      "--no-ignore-eos"]  # fmt: skip
         if not args.skip_peer:
             bench(["--url", f"{url}/v1", "--model", SERVED, "--arm", "orca", *peer_load,
@@ -167,7 +170,7 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
         "default model (SmolLM2-135M-Instruct, fp32), one run, arms measured one after the "
         "other on the same workload. Ratios matter; absolute numbers move with the machine.",
         "",
-        f"### Heavy-tailed burst: {args.num_requests} requests at once, input uniform 32-256 "
+        f"### Heavy-tailed burst: {args.num_requests} requests at once, input {args.input_len} "
         "words, output lognormal (median 48, capped at 256), max_num_seqs 16",
         "",
         HEADER,
@@ -176,7 +179,8 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
         "",
         f"orca / static output throughput: **{b['orca']['output_throughput'] / b['static']['output_throughput']:.2f}x**",  # noqa: E501
         "",
-        f"### Poisson arrivals at {args.poisson_rate} req/s, same length distributions",
+        f"### Poisson arrivals: {args.poisson_requests} requests at {args.poisson_rate} req/s, "
+        "same length distributions",
         "",
         HEADER,
         row("orca", p["orca"]),
