@@ -8,8 +8,9 @@ With the default model's KV geometry (30 layers, 3 KV heads x 64 dims, fp32: 46 
 token) and a fixed KV budget, it reports:
 - reserve-max: how many sequences fit when each reserves prompt + max_tokens up front (the
   Orca paper's scheme, and our `static` scheduler's);
-- paged (orca): the mean and peak number of sequences running concurrently when blocks are
-  allocated as tokens arrive, with preemption when they run out;
+- paged (orca): the mean (over iterations while requests still queue) and peak number of
+  sequences running concurrently when blocks are allocated as tokens arrive, with
+  preemption when they run out;
 - the paged waste: allocated but unused slots, at most block_size - 1 per running sequence.
 Runs the real schedulers over a weight-free backend, in seconds.
 """
@@ -49,8 +50,10 @@ def run(policy: str, num_blocks: int, block_size: int, jobs: list[tuple[int, int
                        eos_token_ids=frozenset({EOS}))  # fmt: skip
         targets[i] = out
         sched.add(seq)
-    running, waste, first_batch = [], 0.0, None
+    running: list[int] = []
+    waste, first_batch, iterations = 0.0, None, 0
     while sched.has_work:
+        iterations += 1
         batch: Batch = sched.schedule()
         if first_batch is None:
             first_batch = len(batch.seqs)
@@ -64,14 +67,15 @@ def run(policy: str, num_blocks: int, block_size: int, jobs: list[tuple[int, int
                    zip(batch.seqs, batch.num_scheduled_tokens, strict=True))  # fmt: skip
         if sched.running:
             waste = max(waste, (slots - used) / len(sched.running))
-        running.append(len(sched.running))
+        if sched.waiting:  # steady state: the queue still has work for free seats
+            running.append(len(sched.running))
         sched.update(batch, ExecuteOutput(sampled))
     assert bm.num_free_blocks == num_blocks
     return {
         "first_batch": float(first_batch or 0),
         "mean_running": sum(running) / len(running),
         "peak_running": float(max(running)),
-        "iterations": float(len(running)),
+        "iterations": float(iterations),
         "max_waste_slots_per_seq": waste,
         "preemptions": float(sched.num_preemptions),
     }
@@ -96,8 +100,8 @@ def main() -> None:
     orca = run("orca", num_blocks, args.block_size, jobs, args.max_tokens)
     print(f"reserve-max (prompt + {args.max_tokens}): {static['first_batch']:.0f} sequences fit "
           f"at once; {static['iterations']:.0f} iterations for the queue")  # fmt: skip
-    print(f"paged (orca): mean {orca['mean_running']:.1f}, peak {orca['peak_running']:.0f} "
-          f"concurrent sequences; {orca['iterations']:.0f} iterations; "
+    print(f"paged (orca): mean {orca['mean_running']:.1f} (while requests queue), peak "
+          f"{orca['peak_running']:.0f} concurrent sequences; {orca['iterations']:.0f} iterations; "
           f"{orca['preemptions']:.0f} preemptions")  # fmt: skip
     print(f"paged waste: at most {orca['max_waste_slots_per_seq']:.1f} slots per running "
           f"sequence (block size {args.block_size})")  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import socket
@@ -114,32 +115,49 @@ def main() -> None:
     parser.add_argument("--input-len", default="uniform:16:64", help="prompt words (DIST)")
     parser.add_argument("--peer-requests", type=int, default=32)
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-ab", action="store_true", help="reuse the burst/poisson reports")
+    parser.add_argument("--dtype", default="float32", help="model dtype for both servers")
     args = parser.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     commands: list[str] = []
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = [PY, "-m", "gateway.cli", "serve", "--config", "examples/ab.yaml", "--port", str(port)]
-    commands.append(shlex.join(["carousel", *serve[3:]]))
-    server = start(serve, f"{url}/health", out / "carousel.log")
+    os.environ["CAROUSEL_DTYPE"] = args.dtype
+    commands.append(f"# every carousel serve below runs with CAROUSEL_DTYPE={args.dtype}")
     workload = ["--input-len", args.input_len, "--output-len", "heavy-tail", "--seed", "1"]
-    try:
-        common = ["--url", f"{url}/v1", "--model", SERVED, "--arm", "orca", "--arm", "static"]
-        bench([*common, "--num-requests", str(args.num_requests), "--rate", "inf", *workload,
-               "--out", str(out / "burst")], commands)  # fmt: skip
-        rate = str(args.poisson_rate)
-        bench([*common, "--num-requests", str(args.poisson_requests), "--rate", rate, *workload,
-               "--out", str(out / "poisson")], commands)  # fmt: skip
-        peer_load = ["--num-requests", str(args.peer_requests), "--rate", "inf",
-                     "--input-len", args.input_len, "--output-len", "heavy-tail", "--seed", "2",
-                     "--no-ignore-eos"]  # fmt: skip
-        if not args.skip_peer:
-            bench(["--url", f"{url}/v1", "--model", SERVED, "--arm", "orca", *peer_load,
+    if not args.skip_ab:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        serve = [PY, "-m", "gateway.cli", "serve", "--config", "examples/ab.yaml",
+                 "--port", str(port)]  # fmt: skip
+        commands.append(shlex.join(["carousel", *serve[3:]]))
+        server = start(serve, f"{url}/health", out / "carousel.log")
+        try:
+            common = ["--url", f"{url}/v1", "--model", SERVED, "--arm", "orca", "--arm", "static"]
+            bench([*common, "--num-requests", str(args.num_requests), "--rate", "inf",
+                   *workload, "--out", str(out / "burst")], commands)  # fmt: skip
+            rate = str(args.poisson_rate)
+            bench([*common, "--num-requests", str(args.poisson_requests), "--rate", rate,
+                   *workload, "--out", str(out / "poisson")], commands)  # fmt: skip
+        finally:
+            stop(server)
+    peer_load = ["--num-requests", str(args.peer_requests), "--rate", "inf",
+                 "--input-len", args.input_len, "--output-len", "heavy-tail", "--seed", "2",
+                 "--no-ignore-eos"]  # fmt: skip
+    if not args.skip_peer:
+        # NOTE: the peer batches every request of the burst at once, so Carousel gets seats
+        # for all of them too (its own default scheduler, orca).
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        serve = [PY, "-m", "gateway.cli", "serve", "--port", str(port),
+                 "--max-num-seqs", str(max(64, args.peer_requests))]  # fmt: skip
+        commands.append(shlex.join(["carousel", *serve[3:]]))
+        server = start(serve, f"{url}/health", out / "carousel-peer.log")
+        try:
+            bench(["--url", f"{url}/v1", "--model", SERVED, *peer_load,
                    "--out", str(out / "peer-carousel")], commands)  # fmt: skip
-    finally:
-        stop(server)
+        finally:
+            stop(server)
 
     if not args.skip_peer:
         from backends.torch.loader import resolve_model
@@ -147,7 +165,8 @@ def main() -> None:
         model_dir = resolve_model("default")
         tport = free_port()
         tserve = [str(Path(PY).parent / "transformers"), "serve", model_dir,
-                  "--continuous-batching", "--device", "cpu", "--port", str(tport)]  # fmt: skip
+                  "--continuous-batching", "--device", "cpu", "--port", str(tport),
+                  "--dtype", args.dtype]  # fmt: skip
         commands.append(shlex.join(["transformers", *tserve[1:]]))
         peer = start(tserve, f"http://127.0.0.1:{tport}/health", out / "transformers.log")
         try:
@@ -163,12 +182,14 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
     images = doc.parent / "bench"
     burst, poisson = load(out / "burst"), load(out / "poisson")
     b, p = metrics_by_arm(burst), metrics_by_arm(poisson)
+    header = f"## Reference comparison (`make bench`, {args.dtype})"
     lines = [
-        "## Reference comparison (`make bench`)",
+        header,
         "",
         f"Measured {time.strftime('%Y-%m-%d')} on this project's CPU machine (2 cores), the "
-        "default model (SmolLM2-135M-Instruct, fp32), one run, arms measured one after the "
-        "other on the same workload. Ratios matter; absolute numbers move with the machine.",
+        f"default model (SmolLM2-135M-Instruct, {args.dtype}), one run, arms measured one "
+        "after the other on the same workload. Ratios matter; absolute numbers move with the "
+        "machine.",
         "",
         f"### Heavy-tailed burst: {args.num_requests} requests at once, input {args.input_len} "
         "words, output lognormal (median 48, capped at 256), max_num_seqs 16",
@@ -189,12 +210,11 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
         f"orca p99 e2e latency / static's: **{p['orca']['e2e_latency_ms']['p99'] / p['static']['e2e_latency_ms']['p99']:.2f}**",  # noqa: E501
         "",
     ]
-    for name in copy_plots(out / "burst", images, "burst"):
-        lines.append(f"![{name}](bench/{name})")
-    for name in copy_plots(out / "poisson", images, "poisson"):
-        lines.append(f"![{name}](bench/{name})")
+    for run in ("burst", "poisson"):
+        for name in copy_plots(out / run, images, f"{args.dtype}-{run}"):
+            lines.append(f"![{name}](bench/{name})")
     if (out / "peer-transformers").exists():
-        c = metrics_by_arm(load(out / "peer-carousel"))["orca"]
+        c = next(iter(metrics_by_arm(load(out / "peer-carousel")).values()))
         t = metrics_by_arm(load(out / "peer-transformers"))["default"]
         lines += [
             "",
@@ -202,7 +222,7 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
             "burst, greedy, stopping at EOS on both: the peer rejects `ignore_eos`)",
             "",
             HEADER,
-            row("carousel (orca)", c),
+            row("carousel (orca, max_num_seqs 64)", c),
             row("transformers serve", t),
             "",
             f"output throughput ratio carousel / transformers: "
@@ -212,7 +232,7 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
     lines += ["", "Commands:", "", "```", *commands, "```", ""]
     section = "\n".join(lines)
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    start = text.find("## Reference comparison")
+    start = text.find(header + "\n")
     if start >= 0:
         end = text.find("\n## ", start + 5)
         text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
