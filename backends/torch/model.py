@@ -185,10 +185,11 @@ class PagedCausalLM:
         """Every one-new-token sequence at once, over block-padded contexts with a mask."""
         dec = meta.decode_indices
         rows = meta.cu_seqlens_q[dec]  # (D,) the decode tokens' flat rows
-        tables = meta.block_tables[dec, : meta.decode_max_blocks]  # (D, nb)
+        blocks = meta.block_tables[dec, : meta.decode_max_blocks].reshape(-1)  # (D * nb,)
         shape = (dec.shape[0], -1, self.num_kv_heads, self.head_dim)
-        keys = k_cache[tables].view(shape).transpose(1, 2)  # (D, nkv, nb * bs, hd)
-        values = v_cache[tables].view(shape).transpose(1, 2)
+        # NOTE: index_select on the block dim copies about 1.5x faster than 2-D indexing
+        keys = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # (D, nkv, S, hd)
+        values = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[rows][:, :, None, :],  # (D, nh, 1, hd)
             keys,
