@@ -18,8 +18,8 @@ class StaticScheduler(Scheduler):
     `batch_wait_ms` after the oldest arrived for it to fill. Formation reserves each
     member's worst case (prompt + max_tokens) in KV blocks, as the baseline systems do, so a
     running batch never runs out. The members' prompts are prefilled together, spread over
-    as many iterations as the token budget needs. Nobody joins meanwhile; a member that finishes early
-    returns at once and its seat stays empty until the whole batch is done.
+    as many iterations as the token budget needs. Nobody joins meanwhile; a member that
+    finishes early returns at once and its seat stays empty until the whole batch is done.
     """
 
     def _schedule(self, batch: Batch) -> None:
