@@ -172,6 +172,15 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        """Usage with the total derived from its two parts."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
 
 class TopLogprob(BaseModel):
     token: str

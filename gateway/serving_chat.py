@@ -25,14 +25,13 @@ from gateway.protocol import (
 from gateway.serving_common import (
     ChoiceResult,
     EngineRuntime,
+    accept_output,
     check_stream_options,
     collect,
     completion_budget,
     encode,
     log_ignored_fields,
     open_stream,
-    output_error,
-    record_output,
     sampling_params,
 )
 from gateway.streaming import PayloadStream
@@ -173,15 +172,7 @@ def _body(
         created=ctx.created,
         model=ctx.model,
         choices=choices,
-        usage=_usage(ctx.prompt_tokens, completion_tokens),
-    )
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
+        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens),
     )
 
 
@@ -211,10 +202,7 @@ async def _chunks(
                 [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
             )
         async for index, output in stream:
-            record_output(ctx, output)
-            error = output_error(runtime, output)
-            if error is not None:
-                raise error
+            accept_output(runtime, ctx, output)
             logprobs = None
             if request.logprobs and output.logprobs:
                 logprobs = chat_logprobs(output.logprobs, runtime.token_text, num_top)
@@ -227,6 +215,6 @@ async def _chunks(
                 )
                 yield chunk([final])
         if include_usage:
-            yield chunk([], _usage(ctx.prompt_tokens, ctx.completion_tokens))
+            yield chunk([], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens))
     finally:
         stream.close()

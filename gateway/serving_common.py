@@ -322,6 +322,14 @@ def record_output(ctx: RequestContext, output: RequestOutput) -> None:
         ctx.finish_reasons.append(output.finish_reason)
 
 
+def accept_output(runtime: EngineRuntime, ctx: RequestContext, output: RequestOutput) -> None:
+    """Record `output` in the request's accounting; raise the error it carries, if any."""
+    record_output(ctx, output)
+    error = output_error(runtime, output)
+    if error is not None:
+        raise error
+
+
 async def collect(
     runtime: EngineRuntime, stream: OutputStream, ctx: RequestContext, num_choices: int
 ) -> list[ChoiceResult]:
@@ -330,10 +338,7 @@ async def collect(
 
     async def read() -> None:
         async for index, output in stream:
-            record_output(ctx, output)
-            error = output_error(runtime, output)
-            if error is not None:
-                raise error
+            accept_output(runtime, ctx, output)
             results[index].add(output)
 
     task = asyncio.ensure_future(read())

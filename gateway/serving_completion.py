@@ -19,6 +19,7 @@ from gateway.protocol import (
 from gateway.serving_common import (
     ChoiceResult,
     EngineRuntime,
+    accept_output,
     check_stream_options,
     check_token_ids,
     collect,
@@ -26,8 +27,6 @@ from gateway.serving_common import (
     encode,
     log_ignored_fields,
     open_stream,
-    output_error,
-    record_output,
     sampling_params,
 )
 from gateway.streaming import PayloadStream
@@ -126,11 +125,7 @@ def _body(
         created=ctx.created,
         model=ctx.model,
         choices=choices,
-        usage=UsageInfo(
-            prompt_tokens=ctx.prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=ctx.prompt_tokens + completion_tokens,
-        ),
+        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens),
     )
 
 
@@ -161,10 +156,7 @@ async def _chunks(
                 offsets[index] = len(echo)
                 yield chunk([CompletionChoice(index=index, text=echo)])
         async for index, output in stream:
-            record_output(ctx, output)
-            error = output_error(runtime, output)
-            if error is not None:
-                raise error
+            accept_output(runtime, ctx, output)
             logprobs = None
             if request.logprobs is not None and output.logprobs:
                 logprobs = completion_logprobs(
@@ -177,12 +169,6 @@ async def _chunks(
                 final = CompletionChoice(index=index, text="", finish_reason=output.finish_reason)
                 yield chunk([final])
         if include_usage:
-            total = ctx.prompt_tokens + ctx.completion_tokens
-            usage = UsageInfo(
-                prompt_tokens=ctx.prompt_tokens,
-                completion_tokens=ctx.completion_tokens,
-                total_tokens=total,
-            )
-            yield chunk([], usage)
+            yield chunk([], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens))
     finally:
         stream.close()
