@@ -23,11 +23,21 @@ flags describe a one-arm deployment.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ARM_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+#: what a local arm may set for itself; unset ones come from the top-level settings
+ENGINE_KNOBS = (
+    "scheduler",
+    "backend",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "batch_wait_ms",
+    "enable_chunked_prefill",
+    "kv_cache_gb",
+)
 
 
 class UpstreamSettings(BaseModel):
@@ -65,25 +75,17 @@ class ArmSettings(BaseModel):
     def _upstream_has_no_engine_knobs(self) -> ArmSettings:
         if self.upstream is None:
             return self
-        local = [
-            name
-            for name in (
-                "scheduler",
-                "backend",
-                "max_num_seqs",
-                "max_num_batched_tokens",
-                "batch_wait_ms",
-                "enable_chunked_prefill",
-                "kv_cache_gb",
-            )  # fmt: skip
-            if getattr(self, name) is not None
-        ]
+        local = list(self.engine_overrides())
         if local:
             raise ValueError(
                 f"arm {self.name!r} is an upstream arm; engine settings {local} belong to "
                 "local arms"
             )
         return self
+
+    def engine_overrides(self) -> dict[str, Any]:
+        """The engine knobs this arm sets, by name."""
+        return {k: v for k in ENGINE_KNOBS if (v := getattr(self, k)) is not None}
 
     @property
     def is_upstream(self) -> bool:

@@ -7,79 +7,29 @@ the device too: see docs/ab-testing.md for when a live split is a fair compariso
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any
-
-from backends.base import Backend
 from backends.upstream import UpstreamConfig
 from gateway.arm_settings import ArmSettings
 from gateway.deployment import Arm, Deployment
-from gateway.local_arm import LocalArm, load_backend, scheduler_config, serving_options
+from gateway.local_arm import (
+    LocalArm,
+    SharedWeights,
+    load_backend,
+    scheduler_config,
+    serving_options,
+)
 from gateway.settings import Settings
 from gateway.upstream_arm import UpstreamArm
 
 
-class SharedWeights:
-    """Loads (model, tokenizer) once for every torch arm of a deployment."""
-
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._lock = threading.Lock()
-        self._loaded: tuple[Any, Any] | None = None
-
-    def get(self) -> tuple[Any, Any]:
-        with self._lock:
-            if self._loaded is None:
-                from backends.torch.loader import load_model
-
-                self._loaded = load_model(self._settings.model)
-            return self._loaded
-
-
-def _torch_backend(settings: Settings, weights: SharedWeights) -> Backend:
-    from backends.torch.runner import TorchBackend
-
-    model, tokenizer = weights.get()
-    return TorchBackend(
-        model,
-        tokenizer,
-        device=settings.device,
-        dtype=settings.dtype,
-        kv_cache_gb=settings.kv_cache_gb,
-        block_size=settings.block_size,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-    )
-
-
 def arm_settings(settings: Settings, arm: ArmSettings) -> Settings:
     """The top-level settings with a local arm's own knobs laid over them."""
-    overrides = {
-        key: value
-        for key in (
-            "scheduler",
-            "backend",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "batch_wait_ms",
-            "enable_chunked_prefill",
-            "kv_cache_gb",
-        )  # fmt: skip
-        if (value := getattr(arm, key)) is not None
-    }
-    return settings.model_copy(update=overrides)
+    return settings.model_copy(update=arm.engine_overrides())
 
 
 def local_arm(settings: Settings, name: str, weight: float, weights: SharedWeights) -> LocalArm:
-    load: Callable[[], Backend]
-    if settings.backend == "torch":
-        load = lambda: _torch_backend(settings, weights)  # noqa: E731
-    else:
-        load = lambda: load_backend(settings)  # noqa: E731
     arm = LocalArm(
         name,
-        load,
+        lambda: load_backend(settings, weights),
         scheduler=settings.scheduler,
         config=scheduler_config(settings),
         options=serving_options(settings),
@@ -91,17 +41,9 @@ def local_arm(settings: Settings, name: str, weight: float, weights: SharedWeigh
 
 def upstream_arm(arm: ArmSettings) -> UpstreamArm:
     assert arm.upstream is not None
-    up = arm.upstream
-    config = UpstreamConfig(
-        base_urls=tuple(up.base_urls),
-        model=up.model,
-        api_key=up.api_key,
-        connect_timeout_s=up.connect_timeout_s,
-        read_timeout_s=up.read_timeout_s,
-        health_interval_s=up.health_interval_s,
-        max_connections=up.max_connections,
-        retries=up.retries,
-    )
+    # NOTE: UpstreamSettings mirrors UpstreamConfig field for field (validated YAML -> config)
+    fields = arm.upstream.model_dump()
+    config = UpstreamConfig(**{**fields, "base_urls": tuple(fields["base_urls"])})
     return UpstreamArm(arm.name, config, arm.weight)
 
 

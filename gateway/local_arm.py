@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -154,8 +155,31 @@ class LocalArm(Arm):
 # -- from settings --------------------------------------------------------------------------
 
 
-def load_backend(settings: Settings) -> Backend:
-    """The backend `settings` name; torch is imported only here, only when asked for."""
+class SharedWeights:
+    """Loads (model, tokenizer) once for every torch arm of a deployment."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._loaded: tuple[Any, Any] | None = None
+
+    def get(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._loaded is None:
+                from backends.torch.loader import load_model
+                from backends.torch.runner import resolve_device, resolve_dtype
+
+                device = resolve_device(self._settings.device)
+                dtype = resolve_dtype(self._settings.dtype, device)
+                self._loaded = load_model(self._settings.model, dtype=dtype)
+            return self._loaded
+
+
+def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Backend:
+    """The backend `settings` name; torch is imported only here, only when asked for.
+
+    Torch backends built with the same `weights` share one copy of the model.
+    """
     if settings.backend == "sim":
         from backends.sim import SimBackend
 
@@ -167,8 +191,10 @@ def load_backend(settings: Settings) -> Backend:
         )
     from backends.torch.runner import TorchBackend
 
-    return TorchBackend.load(
-        settings.model,
+    model, tokenizer = (weights or SharedWeights(settings)).get()
+    return TorchBackend(
+        model,
+        tokenizer,
         device=settings.device,
         dtype=settings.dtype,
         kv_cache_gb=settings.kv_cache_gb,
