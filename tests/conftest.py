@@ -24,6 +24,21 @@ from gateway.settings import Settings
 from schedulers.base import SchedulerConfig
 
 SIM_MODEL = "sim-model"
+#: a minimal valid chat body for the simulator server
+CHAT = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+
+
+class LoopKiller(BaseException):
+    """Escapes the engine's per-step error handling: the loop itself dies."""
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The OpenAI error object of `response`, asserting its status and exact shape."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]  # type: ignore[no-any-return]
 
 
 @dataclass

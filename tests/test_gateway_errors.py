@@ -6,7 +6,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import httpx
 import openai
@@ -15,22 +14,9 @@ import pytest
 from backends.sim import SimBackend
 from gateway.local_arm import LocalArm
 from gateway.serving_common import ServingOptions
-from tests.conftest import SIM_MODEL, LiveServer, sim_arm, sse_payloads
+from tests.conftest import CHAT, SIM_MODEL, LiveServer, LoopKiller, error_of, sim_arm, sse_payloads
 
-HELLO = [{"role": "user", "content": "Hello"}]
-CHAT = {"model": SIM_MODEL, "messages": HELLO, "max_tokens": 2}
-
-
-class _LoopKiller(BaseException):
-    """Escapes the engine's per-step error handling: the loop itself dies."""
-
-
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]
+HELLO = CHAT["messages"]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -188,7 +174,7 @@ def test_dead_engine_loop_gives_503_and_unhealthy(make_server: Callable[..., Liv
     srv = make_server()
     backend = srv.arm.engine.backend
     assert isinstance(backend, SimBackend)
-    backend.fail_next = _LoopKiller()
+    backend.fail_next = LoopKiller()
     in_flight = httpx.post(f"{srv.v1}/chat/completions", json=CHAT)
     assert error_of(in_flight, 503)["code"] == "engine_dead"
     after = httpx.post(f"{srv.v1}/chat/completions", json=CHAT)
@@ -204,7 +190,7 @@ def test_engine_death_mid_stream_is_reported_in_band(
     srv = make_server()
     backend = srv.arm.engine.backend
     assert isinstance(backend, SimBackend)
-    backend.fail_next = _LoopKiller()
+    backend.fail_next = LoopKiller()
     response = httpx.post(f"{srv.v1}/chat/completions", json={**CHAT, "stream": True})
     assert response.status_code == 200
     payloads = [json.loads(p) for p in sse_payloads(response.text)]

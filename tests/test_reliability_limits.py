@@ -17,18 +17,10 @@ from gateway.local_arm import scheduler_config, serving_options
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving_common import ServingOptions
 from gateway.settings import Settings
-from tests.conftest import SIM_MODEL, LiveServer, sim_arm
+from tests.conftest import CHAT, SIM_MODEL, LiveServer, error_of, sim_arm
 
-HELLO = [{"role": "user", "content": "Hello"}]
-CHAT = {"model": SIM_MODEL, "messages": HELLO, "max_tokens": 2}
+HELLO = CHAT["messages"]
 COMPLETION = {"model": SIM_MODEL, "prompt": "Hello", "max_tokens": 2}
-
-
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(

@@ -20,21 +20,7 @@ from schedulers.block_manager import BlockManager
 from schedulers.outputs import IterationRecord
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence
-from tests.conftest import SIM_MODEL, LiveServer, sse_payloads
-
-HELLO = [{"role": "user", "content": "Hello"}]
-CHAT = {"model": SIM_MODEL, "messages": HELLO, "max_tokens": 2}
-
-
-class _LoopKiller(BaseException):
-    """Escapes the engine's per-step error handling: the loop itself dies."""
-
-
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    return body["error"]  # type: ignore[no-any-return]
+from tests.conftest import CHAT, LiveServer, LoopKiller, error_of, sse_payloads
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -188,7 +174,7 @@ def test_a_dead_loop_fails_everything_in_flight_and_then_refuses(
             waiting = asyncio.ensure_future(client.post(url, json=CHAT))
             while engine.num_waiting < 1:
                 await asyncio.sleep(0.01)
-            backend.fail_next = _LoopKiller()  # type: ignore[assignment]
+            backend.fail_next = LoopKiller()  # type: ignore[assignment]
             events = [json.loads(p) for p in sse_payloads((await streamed.aread()).decode())]
             return events, await waiting
 
