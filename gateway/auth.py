@@ -1,9 +1,8 @@
 """Bearer API keys (when any are configured) on every route but the open ones.
 
 `APIKeyMiddleware` guards the whole app (so a route added later is guarded by default);
-/health is always open, /metrics when `metrics_open`. `require_api_key` is the same check
-as a FastAPI dependency, kept on the /v1 and /debug routers as a second line. Keys are
-compared in constant time and never logged: only that a key was missing or wrong.
+/health is always open, /metrics when `metrics_open`. Keys are compared in constant time
+and never logged: only that a key was missing or wrong.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import hmac
 from collections.abc import Collection, Sequence
 
-from fastapi import Request
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -42,12 +40,6 @@ def check_api_key(authorization: str | None, keys: Sequence[str]) -> None:
         matched |= hmac.compare_digest(given, key.encode("utf-8"))
     if not matched:
         raise _unauthorized("Incorrect API key provided.")
-
-
-async def require_api_key(request: Request) -> None:
-    """FastAPI dependency for the /v1 router."""
-    keys = request.app.state.gateway.settings.api_keys
-    check_api_key(request.headers.get("authorization"), keys)
 
 
 class APIKeyMiddleware:

@@ -11,12 +11,11 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from gateway import carousel_version
-from gateway.auth import require_api_key
 from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
 from gateway.deployment import Arm, Reply
 from gateway.errors import APIError, error_body, from_validation_error, invalid
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 router = APIRouter()
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+v1 = APIRouter(prefix="/v1")
 
 
 def _state(request: Request) -> GatewayState:
@@ -157,7 +156,7 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-debug = APIRouter(prefix="/debug", dependencies=[Depends(require_api_key)])
+debug = APIRouter(prefix="/debug")  # NOTE: behind the key, like /v1 (APIKeyMiddleware)
 
 
 @debug.get("/trace")
