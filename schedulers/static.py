@@ -41,8 +41,11 @@ class StaticScheduler(Scheduler):
             return False
         if len(self.waiting) >= self.config.max_num_seqs:
             return True
-        deadline = self.waiting[0].arrival_time + self.config.batch_wait_ms / 1000.0
-        return time.monotonic() >= deadline
+        return time.monotonic() >= self._form_deadline()
+
+    def _form_deadline(self) -> float:
+        """When the oldest waiting request stops waiting for the batch to fill."""
+        return self.waiting[0].arrival_time + self.config.batch_wait_ms / 1000.0
 
     def _form_batch(self) -> None:
         bm = self.block_manager
@@ -60,4 +63,4 @@ class StaticScheduler(Scheduler):
     def next_wakeup(self) -> float | None:
         if self.running or not self.waiting:
             return None
-        return self.waiting[0].arrival_time + self.config.batch_wait_ms / 1000.0
+        return self._form_deadline()
