@@ -165,7 +165,7 @@ def test_idle_engine_does_not_spin() -> None:
         start_cpu, start = time.process_time(), time.monotonic()
         time.sleep(0.5)
         busy = (time.process_time() - start_cpu) / (time.monotonic() - start)
-        assert busy < 0.1, f"idle engine used {busy:.0%} of a core"
+        assert busy < 0.02, f"idle engine used {busy:.0%} of a core"  # a 0.1 ms poll uses 8%
     finally:
         engine.stop()
 
