@@ -1,7 +1,8 @@
 """Selective batching over a paged KV cache, reusing the modules of a loaded HF causal LM.
 
 Every op but attention (embedding, RMSNorm, QKV/output projections, MLP, final norm, lm_head)
-runs once over the flat `[N, hidden]` tensor of all scheduled tokens of all sequences. Only
+runs once over the flat `[N, hidden]` tensor of all scheduled tokens of all sequences, with
+the Q/K/V projections fused into one matmul (fused.py). Only
 attention is per sequence: new K/V go into the cache through `slot_mapping`, then each
 sequence attends to its own context gathered through its block table. Sequences with one new
 token (decodes) share one batched, masked attention call. No padding of the token dimension.
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
 from backends.torch.loader import check_architecture
 
@@ -74,6 +76,9 @@ class PagedCausalLM:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = self.layers[0].self_attn.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.fused: list[FusedLayer] = [fuse_layer(layer) for layer in self.layers]
         self.windows = [_sliding_window(layer.self_attn, config) for layer in self.layers]
         self.kv_cache = kv_cache
 
@@ -110,26 +115,31 @@ class PagedCausalLM:
         meta: AttentionMetadata,
         masks: dict[int | None, tuple[list[torch.Tensor | None], torch.Tensor | None]],
     ) -> torch.Tensor:
-        attn = self.layers[layer_idx].self_attn
-        n, hd = x.shape[0], self.head_dim
-        q = attn.q_proj(x).view(n, self.num_heads, hd)  # (N, nh, hd)
-        k = attn.k_proj(x).view(n, self.num_kv_heads, hd)  # (N, nkv, hd)
-        v = attn.v_proj(x).view(n, self.num_kv_heads, hd)  # (N, nkv, hd)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        attn, fused = self.layers[layer_idx].self_attn, self.fused[layer_idx]
+        n, hd, nh = x.shape[0], self.head_dim, self.num_heads
+        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)  # (N, q + 2 * kv)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(n, self.num_kv_heads, hd)  # (N, nkv, hd)
         cos, sin = rope
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before rotary
+            q = attn.q_norm(qkv[:, : self.q_size].view(n, nh, hd))
+            k = attn.k_norm(qkv[:, self.q_size : qk_size].view(n, self.num_kv_heads, hd))
+            q = q * cos + rotate_half(q) * sin  # (N, nh, hd)
+            k = k * cos + rotate_half(k) * sin  # (N, nkv, hd)
+        else:  # one rotary over the Q and K heads together
+            qk = qkv[:, :qk_size].view(n, nh + self.num_kv_heads, hd)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk[:, :nh], qk[:, nh:]
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         k_cache.view(-1, self.num_kv_heads, hd).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, hd).index_copy_(0, meta.slot_mapping, v)
         prefill_masks, decode_mask = masks[self.windows[layer_idx]]
-        out = torch.empty_like(q)  # (N, nh, hd)
+        out = q.new_empty((n, nh, hd))
         for i, mask in zip(meta.prefill_indices, prefill_masks, strict=True):
             self._prefill(i, q, k, v, k_cache, v_cache, meta, mask, attn.scaling, out)
         if decode_mask is not None:
             self._decode(q, k_cache, v_cache, meta, decode_mask, attn.scaling, out)
-        return attn.o_proj(out.view(n, self.num_heads * hd))  # (N, H)
+        return attn.o_proj(out.view(n, self.q_size))  # (N, H)
 
     def _prefill(
         self,
