@@ -37,6 +37,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     g.add_argument("--dtype", help="bfloat16, float16, float32")
     g.add_argument("--block-size", type=int, help="KV block size in tokens")
+    g.add_argument(
+        "--prepack-weights",
+        action=argparse.BooleanOptionalAction,
+        help="CPU: a oneDNN-prepacked weight copy for decode matmuls (default: yes)",
+    )
     g.add_argument("--sim-time-scale", type=float, help="sim: sleep this x the modelled time")
     g.add_argument("--config", default=None, help="YAML settings file (or $CAROUSEL_CONFIG)")
 

@@ -201,6 +201,7 @@ def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Ba
         block_size=settings.block_size,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
+        prepack_weights=settings.prepack_weights,
     )
 
 

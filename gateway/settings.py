@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     device: str | None = None
     dtype: str | None = None
     block_size: int = Field(default=16, ge=1)
+    #: CPU bf16/fp16/fp32: keep a oneDNN-prepacked copy of the weights for small matmuls
+    prepack_weights: bool = True
     # the simulator backend (weight-free): seconds slept per simulated second, KV size
     sim_time_scale: float = Field(default=0.0, ge=0)
     sim_num_blocks: int = Field(default=4096, ge=1)

@@ -57,6 +57,14 @@ def test_config_file_from_env_and_api_keys_from_a_list(
     assert settings_from([]).log_prompts is True
 
 
+def test_prepack_weights_is_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings_from([]).prepack_weights is True
+    assert settings_from(["--no-prepack-weights"]).prepack_weights is False
+    monkeypatch.setenv("CAROUSEL_PREPACK_WEIGHTS", "false")
+    assert settings_from([]).prepack_weights is False
+    assert settings_from(["--prepack-weights"]).prepack_weights is True
+
+
 def test_default_model_is_served_as_smollm2() -> None:
     assert Settings().model_name == "smollm2-135m-instruct"
     assert Settings(model="/models/Qwen3-0.6B.gguf").model_name == "Qwen3-0.6B"

@@ -11,6 +11,7 @@ token (decodes) share one batched, masked attention call. No padding of the toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from transformers import PreTrainedModel
 from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
 from backends.torch.loader import check_architecture
+from backends.torch.packed import Linear, PackPlan, cached_linear, pack_plan
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,32 @@ class AttentionMetadata:
         return len(self.seqlens_q)
 
 
+@dataclass(frozen=True)
+class _LayerLinears:
+    """One decoder layer's projections as `Linear`s (prepacked where that pays)."""
+
+    qkv: Linear
+    o_proj: Linear
+    gate: Linear
+    up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, layer: Any, fused: FusedLayer, plan: PackPlan | None) -> _LayerLinears:
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def wrap(key: str, module: Any) -> Linear:
+            return cached_linear(layer, key, module.weight, module.bias, plan)
+
+        return cls(
+            qkv=cached_linear(layer, "qkv", fused.qkv_weight, fused.qkv_bias, plan),
+            o_proj=wrap("o_proj", attn.o_proj),
+            gate=wrap("gate", mlp.gate_proj),
+            up=wrap("up", mlp.up_proj),
+            down=wrap("down", mlp.down_proj),
+        )
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -64,7 +92,9 @@ def _sliding_window(attn: nn.Module, config: object) -> int | None:
 class PagedCausalLM:
     """The forward pass of a Llama/Mistral/Qwen2/Qwen3 HF model over a paged KV cache."""
 
-    def __init__(self, hf_model: PreTrainedModel, kv_cache: KVCache) -> None:
+    def __init__(
+        self, hf_model: PreTrainedModel, kv_cache: KVCache, *, prepack: bool = True
+    ) -> None:
         check_architecture(type(hf_model).__name__)
         config = hf_model.config
         base = hf_model.model
@@ -78,7 +108,12 @@ class PagedCausalLM:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.fused: list[FusedLayer] = [fuse_layer(layer) for layer in self.layers]
+        fused: list[FusedLayer] = [fuse_layer(layer) for layer in self.layers]
+        weight = hf_model.lm_head.weight
+        plan = pack_plan(weight.device, weight.dtype) if prepack else None
+        self.linears = [_LayerLinears.of(layer, fused, plan) for layer, fused in
+                        zip(self.layers, fused, strict=True)]  # fmt: skip
+        self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
         self.windows = [_sliding_window(layer.self_attn, config) for layer in self.layers]
         self.kv_cache = kv_cache
 
@@ -98,14 +133,18 @@ class PagedCausalLM:
         for layer_idx, layer in enumerate(self.layers):
             attn_in = layer.input_layernorm(hidden)
             hidden = hidden + self._attention(layer_idx, attn_in, rope, meta, masks)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._mlp(layer_idx, layer.post_attention_layernorm(hidden))
         last = meta.cu_seqlens_q[1:] - 1  # (B,)
         if logits_indices is not None:
             last = last[logits_indices]
         # NOTE: the final norm is per token, so norming only the rows we need is identical.
-        return self.lm_head(self.norm(hidden[last]))  # (B', V)
+        return self.lm_head_linear(self.norm(hidden[last]))  # (B', V)
 
     __call__ = forward
+
+    def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        lin = self.linears[layer_idx]
+        return lin.down(self.layers[layer_idx].mlp.act_fn(lin.gate(x)) * lin.up(x))
 
     def _attention(
         self,
@@ -115,9 +154,9 @@ class PagedCausalLM:
         meta: AttentionMetadata,
         masks: dict[int | None, tuple[list[torch.Tensor | None], torch.Tensor | None]],
     ) -> torch.Tensor:
-        attn, fused = self.layers[layer_idx].self_attn, self.fused[layer_idx]
+        attn = self.layers[layer_idx].self_attn
         n, hd, nh = x.shape[0], self.head_dim, self.num_heads
-        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)  # (N, q + 2 * kv)
+        qkv = self.linears[layer_idx].qkv(x)  # (N, q + 2 * kv)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(n, self.num_kv_heads, hd)  # (N, nkv, hd)
         cos, sin = rope
@@ -139,7 +178,7 @@ class PagedCausalLM:
             self._prefill(i, q, k, v, k_cache, v_cache, meta, mask, attn.scaling, out)
         if decode_mask is not None:
             self._decode(q, k_cache, v_cache, meta, decode_mask, attn.scaling, out)
-        return attn.o_proj(out.view(n, self.q_size))  # (N, H)
+        return self.linears[layer_idx].o_proj(out.view(n, self.q_size))  # (N, H)
 
     def _prefill(
         self,

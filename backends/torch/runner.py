@@ -4,16 +4,19 @@ Construct it either from a model reference::
 
     TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
                       kv_cache_fraction=None, block_size=16, max_model_len=None,
-                      max_num_seqs=256)
+                      max_num_seqs=256, prepack_weights=True)
 
 or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
 
     TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
-                 kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256)
+                 kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256,
+                 prepack_weights=True)
 
 `device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
 bf16 on cuda and fp32 on cpu. The model is moved and cast in place. KV sizing: see kv_cache.py
 (`max_num_seqs` only caps the KV cache: it never holds more than that many full contexts).
+`prepack_weights`: on CPU, matmuls with few rows go through oneDNN-prepacked weights (an
+extra copy of the weights; see packed.py); False keeps one copy and plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class TorchBackend(Backend):
         block_size: int = 16,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        prepack_weights: bool = True,
     ) -> None:
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
@@ -110,7 +114,7 @@ class TorchBackend(Backend):
         budget = kv_budget_bytes(self.device, kv_cache_gb, kv_cache_fraction)
         num_blocks = plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
         self.kv_cache = KVCache(layout, num_blocks, self.device)
-        self.model = PagedCausalLM(model, self.kv_cache)
+        self.model = PagedCausalLM(model, self.kv_cache, prepack=prepack_weights)
         self.sampler = Sampler(config.vocab_size, self.device)
 
     @classmethod
@@ -125,6 +129,7 @@ class TorchBackend(Backend):
         block_size: int = 16,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        prepack_weights: bool = True,
     ) -> TorchBackend:
         """Load `model` (see loader.py for what a reference may be) onto `device`."""
         target = resolve_device(device)
@@ -139,6 +144,7 @@ class TorchBackend(Backend):
             block_size=block_size,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            prepack_weights=prepack_weights,
         )
 
     @property

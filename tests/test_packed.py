@@ -1,0 +1,61 @@
+"""Prepacked oneDNN linears: the same numbers as F.linear, packed once per shared model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.torch.model import PagedCausalLM
+from backends.torch.packed import Linear, cached_linear, pack_plan
+from backends.torch.runner import TorchBackend
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 8, 64, 128, 129, 300])
+def test_packed_linear_matches_f_linear_at_every_row_count(dtype: torch.dtype, rows: int) -> None:
+    plan = pack_plan(CPU, dtype)
+    if plan is None:
+        pytest.skip("no oneDNN prepacking on this machine")
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 80, dtype=dtype), torch.randn(96, dtype=dtype)
+    x = torch.randn(rows, 80, dtype=dtype)
+    got = Linear(weight, bias, plan)(x)
+    want = F.linear(x, weight, bias)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.bfloat16:  # same oneDNN kernel, only the weight reorder is hoisted
+        assert torch.equal(got, want)
+    else:  # fp32: another blocking, so another summation order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_plan_off_cpu_or_for_float64() -> None:
+    assert pack_plan(torch.device("cuda"), torch.bfloat16) is None
+    assert pack_plan(CPU, torch.float64) is None
+
+
+def test_backends_over_one_model_share_the_packed_weights() -> None:
+    model = tiny_model("llama").to(torch.bfloat16)
+    first = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
+    second = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
+    assert first.linears[0].qkv is second.linears[0].qkv
+    assert first.lm_head_linear is second.lm_head_linear
+    # a cast makes new parameter tensors: the next backend packs them afresh
+    model.to(torch.float32)
+    third = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
+    assert third.linears[0].down is not first.linears[0].down
+    assert third.linears[0].down.weight.dtype == torch.float32
+    assert cached_linear(model.lm_head, "lm_head", model.lm_head.weight, None, None).plan is None
+
+
+def test_prepack_weights_false_keeps_one_copy_of_the_weights() -> None:
+    backend = TorchBackend(
+        tiny_model("qwen2"), tiny_tokenizer(), device="cpu", dtype="bfloat16",
+        kv_cache_gb=0.01, prepack_weights=False,
+    )  # fmt: skip
+    linears = backend.model.linears[0]
+    assert all(lin.packed is None for lin in (linears.qkv, linears.o_proj, linears.down))
+    assert backend.model.lm_head_linear.packed is None
