@@ -31,6 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SERVED = "smollm2-135m-instruct"
+BURST_SEED = 1
+AB_MAX_NUM_SEQS = 16  # examples/ab.yaml
 
 
 def free_port() -> int:
@@ -124,7 +126,8 @@ def main() -> None:
 
     os.environ["CAROUSEL_DTYPE"] = args.dtype
     commands.append(f"# every carousel serve below runs with CAROUSEL_DTYPE={args.dtype}")
-    workload = ["--input-len", args.input_len, "--output-len", "heavy-tail", "--seed", "1"]
+    workload = ["--input-len", args.input_len, "--output-len", "heavy-tail",
+                "--seed", str(BURST_SEED)]  # fmt: skip
     if not args.skip_ab:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -177,6 +180,24 @@ def main() -> None:
     write_doc(args, out, commands)
 
 
+def burst_ceiling(args: argparse.Namespace) -> str:
+    """The orca / static ratio this burst would show if a step cost the same at any batch."""
+    from gateway.bench.bounds import step_bound
+    from gateway.bench.workload import build_workload, parse_dist
+
+    specs = build_workload(
+        args.num_requests, parse_dist(args.input_len, "input"),
+        parse_dist("heavy-tail", "output"), BURST_SEED,
+    )  # fmt: skip
+    bound = step_bound([spec.max_tokens for spec in specs], seats=AB_MAX_NUM_SEQS)
+    return (
+        f"Ceiling for this exact workload (`gateway/bench/bounds.py`): with "
+        f"{AB_MAX_NUM_SEQS} seats in arrival order, static needs {bound.static_steps} decode "
+        f"steps and orca {bound.orca_steps}, so even at a flat step cost (whatever the batch "
+        f"size) orca could reach at most **{bound.ratio:.2f}x**."
+    )
+
+
 def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
     doc: Path = args.doc
     images = doc.parent / "bench"
@@ -199,6 +220,8 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
         row("static", b["static"]),
         "",
         f"orca / static output throughput: **{b['orca']['output_throughput'] / b['static']['output_throughput']:.2f}x**",  # noqa: E501
+        "",
+        burst_ceiling(args),
         "",
         f"### Poisson arrivals: {args.poisson_requests} requests at {args.poisson_rate} req/s, "
         "same length distributions",

@@ -239,15 +239,18 @@ class PagedCausalLM:
         # NOTE: index_select on the block dim copies about 1.5x faster than 2-D indexing
         keys = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # (D, nkv, S, hd)
         values = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
+        # NOTE: the g = nh / nkv query heads sharing a KV head act as g query rows against
+        # it (GQA maps head h to KV head h // g), so K/V are never expanded to nh heads;
+        # one new token has no causal order among its rows, only the padding/window mask.
+        group = self.num_heads // self.num_kv_heads
         o = F.scaled_dot_product_attention(
-            q[rows][:, :, None, :],  # (D, nh, 1, hd)
+            q[rows].view(-1, self.num_kv_heads, group, self.head_dim),  # (D, nkv, g, hd)
             keys,
             values,
             attn_mask=mask,  # (D, 1, 1, nb * bs)
             scale=scale,
-            enable_gqa=True,
-        )  # (D, nh, 1, hd)
-        out[rows] = o[:, :, 0]
+        )  # (D, nkv, g, hd)
+        out[rows] = o.reshape(-1, self.num_heads, self.head_dim)
 
     def _masks(
         self, meta: AttentionMetadata, window: int | None
