@@ -1,11 +1,14 @@
 """Decode throughput at batch size B: HF's own forward with its KV cache vs our backend.
 
 Usage: python scripts/bench_forward.py [--batch-sizes 1,8,32,64] [--steps 32] [--prompt-len 64]
+                                       [--dtype bfloat16] [--compare-prepack]
 
 Both sides run the same model weights, greedy, on the same device and dtype, one after the
 other in this process, so the ratio is meaningful on a noisy machine. "engine-bare" is our
 backend's `execute` (flat selective-batching forward over the paged KV cache plus sampling)
-in a loop with no scheduler and no HTTP.
+in a loop with no scheduler and no HTTP. `--compare-prepack` adds the same engine over the
+same weights with `prepack_weights=False` (plain `F.linear`), interleaved, to show what the
+oneDNN-prepacked matmuls (backends/torch/packed.py) buy.
 """
 
 from __future__ import annotations
@@ -85,20 +88,41 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON line per B")
+    parser.add_argument("--compare-prepack", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats (best)")
     args = parser.parse_args()
     backend = TorchBackend.load(
         args.model, device=args.device, dtype=args.dtype, kv_cache_gb=1.0, max_model_len=1024
     )
     model = backend.hf_model
+    plain = None
+    if args.compare_prepack:
+        plain = TorchBackend(
+            model, backend.tokenizer, device=args.device, dtype=args.dtype, kv_cache_gb=1.0,
+            max_model_len=1024, prepack_weights=False,
+        )  # fmt: skip
     print(f"device={backend.device} dtype={backend.dtype} torch_threads={torch.get_num_threads()}")
-    print(f"{'B':>4} {'hf tok/s':>10} {'engine tok/s':>13} {'engine/hf':>10}")
+    extra = f" {'plain tok/s':>12} {'engine/plain':>13}" if plain else ""
+    print(f"{'B':>4} {'hf tok/s':>10} {'engine tok/s':>13} {'engine/hf':>10}{extra}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         engine_decode_tok_s(backend, b, args.prompt_len, 4)  # warm-up
-        hf = hf_decode_tok_s(model, b, args.prompt_len, args.steps)
-        ours = engine_decode_tok_s(backend, b, args.prompt_len, args.steps)
+        if plain is not None:
+            engine_decode_tok_s(plain, b, args.prompt_len, 4)
+        runs: dict[str, list[float]] = {"hf": [], "engine": [], "plain": []}
+        for _ in range(args.repeats):  # interleaved: drift hits every column alike
+            runs["hf"].append(hf_decode_tok_s(model, b, args.prompt_len, args.steps))
+            runs["engine"].append(engine_decode_tok_s(backend, b, args.prompt_len, args.steps))
+            if plain is not None:
+                runs["plain"].append(engine_decode_tok_s(plain, b, args.prompt_len, args.steps))
+        hf, ours = max(runs["hf"]), max(runs["engine"])
+        record = {"batch": b, "hf_tok_s": hf, "engine_tok_s": ours}
+        line = f"{b:>4} {hf:>10.1f} {ours:>13.1f} {ours / hf:>10.2f}"
+        if plain is not None:
+            record["plain_tok_s"] = best = max(runs["plain"])
+            line += f" {best:>12.1f} {ours / best:>13.2f}"
         if args.json:
-            print(json.dumps({"batch": b, "hf_tok_s": hf, "engine_tok_s": ours}))
-        print(f"{b:>4} {hf:>10.1f} {ours:>13.1f} {ours / hf:>10.2f}")
+            print(json.dumps(record))
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
