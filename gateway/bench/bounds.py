@@ -30,7 +30,8 @@ def step_bound(output_lens: list[int], seats: int) -> StepBound:
     if seats < 1 or any(n < 1 for n in output_lens):
         raise ValueError("seats and every output length must be at least 1")
     static = sum(max(output_lens[i : i + seats]) for i in range(0, len(output_lens), seats))
-    waiting, running, orca = deque(output_lens), [], 0
+    waiting, orca = deque(output_lens), 0
+    running: list[int] = []
     while waiting or running:
         while waiting and len(running) < seats:
             running.append(waiting.popleft())
