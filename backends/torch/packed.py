@@ -74,7 +74,6 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-
 _CACHE_ATTR = "_carousel_linears"
 
 
