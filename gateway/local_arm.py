@@ -189,20 +189,26 @@ def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Ba
             max_model_len=settings.max_model_len or settings.sim_max_model_len,
             time_scale=settings.sim_time_scale,
         )
+    from backends.own_thread import call_on_own_thread
     from backends.torch.runner import TorchBackend
 
-    model, tokenizer = (weights or SharedWeights(settings)).get()
-    return TorchBackend(
-        model,
-        tokenizer,
-        device=settings.device,
-        dtype=settings.dtype,
-        kv_cache_gb=settings.kv_cache_gb,
-        block_size=settings.block_size,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        prepack_weights=settings.prepack_weights,
-    )
+    def build() -> Backend:
+        model, tokenizer = (weights or SharedWeights(settings)).get()
+        return TorchBackend(
+            model,
+            tokenizer,
+            device=settings.device,
+            dtype=settings.dtype,
+            kv_cache_gb=settings.kv_cache_gb,
+            block_size=settings.block_size,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            prepack_weights=settings.prepack_weights,
+        )
+
+    # NOTE: loading runs OpenMP ops; a thread that exits takes its OpenMP pool with it, so
+    # the engine thread's pool is the only one left (see backends/own_thread.py)
+    return call_on_own_thread(build, "carousel-load")
 
 
 def scheduler_config(settings: Settings) -> SchedulerConfig:

@@ -1,0 +1,58 @@
+"""Torch set-up runs on a thread that exits (so its OpenMP pool does not outlive it)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from backends.own_thread import call_on_own_thread
+from gateway import local_arm
+from gateway.settings import Settings
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+
+def _alive(name: str) -> bool:
+    return any(t.name == name for t in threading.enumerate())
+
+
+def test_result_comes_back_from_a_thread_that_is_gone() -> None:
+    seen: list[threading.Thread] = []
+
+    def work() -> int:
+        seen.append(threading.current_thread())
+        return 42
+
+    assert call_on_own_thread(work, "probe") == 42
+    assert seen[0] is not threading.current_thread() and seen[0].name == "probe"
+    assert not seen[0].is_alive()
+
+
+def test_errors_are_raised_on_the_caller_thread() -> None:
+    def boom() -> None:
+        raise ValueError("bad model")
+
+    with pytest.raises(ValueError, match="bad model"):
+        call_on_own_thread(boom, "probe")
+    assert not _alive("probe")
+
+
+def test_load_backend_loads_the_model_off_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny_model("llama").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    loaded_on: list[str] = []
+    original = local_arm.SharedWeights.get
+
+    def spy(self: local_arm.SharedWeights) -> object:
+        loaded_on.append(threading.current_thread().name)
+        return original(self)
+
+    monkeypatch.setattr(local_arm.SharedWeights, "get", spy)
+    backend = local_arm.load_backend(Settings(model=str(tmp_path), kv_cache_gb=0.01))
+    assert loaded_on == ["carousel-load"]
+    assert not _alive("carousel-load")
+    assert backend.kv_cache_spec.num_blocks > 0
+    backend.close()
