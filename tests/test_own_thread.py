@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.own_thread import call_on_own_thread
+from backends.own_thread import call_on_own_thread, run_on_device_thread
 from gateway import local_arm
 from gateway.settings import Settings
 from tests.tiny_models import tiny_model, tiny_tokenizer
@@ -56,3 +56,20 @@ def test_load_backend_loads_the_model_off_the_callers_thread(
     assert not _alive("carousel-load")
     assert backend.kv_cache_spec.num_blocks > 0
     backend.close()
+
+
+def test_every_caller_runs_forward_passes_on_one_device_thread() -> None:
+    seen: list[int] = []
+
+    def caller() -> None:
+        seen.append(run_on_device_thread(threading.get_ident))
+
+    callers = [threading.Thread(target=caller) for _ in range(3)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join()
+    assert len(seen) == 3 and len(set(seen)) == 1
+    assert threading.get_ident() not in seen
+    with pytest.raises(ZeroDivisionError):
+        run_on_device_thread(lambda: 1 / 0)

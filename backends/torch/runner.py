@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from backends.base import Backend, KVCacheSpec
+from backends.own_thread import call_on_own_thread
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import DEFAULT_MODEL, check_architecture, load_model
 from backends.torch.model import AttentionMetadata, PagedCausalLM
@@ -131,21 +132,29 @@ class TorchBackend(Backend):
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prepack_weights: bool = True,
     ) -> TorchBackend:
-        """Load `model` (see loader.py for what a reference may be) onto `device`."""
+        """Load `model` (see loader.py for what a reference may be) onto `device`.
+
+        The loading runs on a thread of its own that exits afterwards, so it leaves no
+        OpenMP pool behind to compete with the engine thread's (backends/own_thread.py).
+        """
         target = resolve_device(device)
-        hf_model, tokenizer = load_model(model, dtype=resolve_dtype(dtype, target))
-        return cls(
-            hf_model,
-            tokenizer,
-            device=device,
-            dtype=dtype,
-            kv_cache_gb=kv_cache_gb,
-            kv_cache_fraction=kv_cache_fraction,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            prepack_weights=prepack_weights,
-        )
+
+        def build() -> TorchBackend:
+            hf_model, tokenizer = load_model(model, dtype=resolve_dtype(dtype, target))
+            return cls(
+                hf_model,
+                tokenizer,
+                device=device,
+                dtype=dtype,
+                kv_cache_gb=kv_cache_gb,
+                kv_cache_fraction=kv_cache_fraction,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                prepack_weights=prepack_weights,
+            )
+
+        return call_on_own_thread(build, "carousel-load")
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
