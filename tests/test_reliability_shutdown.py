@@ -81,6 +81,21 @@ def chat(max_tokens: int, stream: bool) -> dict[str, Any]:
     return body
 
 
+@contextmanager
+def stream_in_flight(
+    srv: Serving, http: httpx.Client, max_tokens: int
+) -> Iterator[tuple[Iterator[str], str]]:
+    """A streamed chat on `srv`, entered once its first data chunk arrived: (lines, that chunk).
+
+    NOTE: keep the line iterator alive while the stream matters: a dropped one closes it.
+    """
+    url = f"{srv.url}/v1/chat/completions"
+    with http.stream("POST", url, json=chat(max_tokens, True)) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        yield lines, first
+
+
 def wait_draining(url: str, timeout_s: float = 5.0) -> httpx.Response:
     """The first /health answer after SIGTERM that says the server is draining."""
     deadline = time.monotonic() + timeout_s
@@ -110,10 +125,8 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path: Pat
     with (
         carousel_serve(tmp_path, *flags) as srv,
         httpx.Client(timeout=30) as http,
-        http.stream("POST", f"{srv.url}/v1/chat/completions", json=chat(300, True)) as stream,
+        stream_in_flight(srv, http, 300) as (lines, first),
     ):
-        lines = stream.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"]
         signalled = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
@@ -140,10 +153,8 @@ def test_sigterm_ends_what_outlives_the_drain_with_an_error(tmp_path: Path) -> N
     with (
         carousel_serve(tmp_path, *flags) as srv,
         httpx.Client(timeout=30) as http,
-        http.stream("POST", f"{srv.url}/v1/chat/completions", json=chat(3000, True)) as stream,
+        stream_in_flight(srv, http, 3000) as (lines, _),
     ):
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))
         signalled = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         events = read_events(lines)
@@ -163,12 +174,7 @@ def test_sigterm_cuts_a_waiting_non_streamed_request_with_503(tmp_path: Path) ->
     flags = ("--sim-time-scale", "1", "--drain-timeout-s", "0.5", "--max-num-seqs", "1")
     with carousel_serve(tmp_path, *flags) as srv, httpx.Client(timeout=30) as http:
         url = f"{srv.url}/v1/chat/completions"
-        with (
-            http.stream("POST", url, json=chat(3000, True)) as running,
-            ThreadPoolExecutor(1) as pool,
-        ):
-            lines = running.iter_lines()  # NOTE: keep it: a dropped iterator closes the stream
-            next(line for line in lines if line.startswith("data: {"))
+        with stream_in_flight(srv, http, 3000) as (_lines, _), ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, url, json=chat(5, False), timeout=30)
             deadline = time.monotonic() + 10
             while num_waiting(srv.url) < 1:
@@ -191,10 +197,8 @@ def test_a_second_sigterm_ends_in_flight_streams_at_once(tmp_path: Path) -> None
     with (
         carousel_serve(tmp_path, *flags) as srv,
         httpx.Client(timeout=30) as http,
-        http.stream("POST", f"{srv.url}/v1/chat/completions", json=chat(3000, True)) as stream,
+        stream_in_flight(srv, http, 3000) as (lines, _),
     ):
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))
         srv.proc.send_signal(signal.SIGTERM)
         wait_draining(srv.url)
         signalled = time.monotonic()
