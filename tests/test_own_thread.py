@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 
 from backends.own_thread import call_on_own_thread, run_on_device_thread
+from backends.sim import SimBackend
+from backends.torch import runner
 from gateway import local_arm
 from gateway.settings import Settings
+from schedulers.llm import LLM
+from schedulers.sampling_params import SamplingParams
 from tests.tiny_models import tiny_model, tiny_tokenizer
 
 
@@ -73,3 +77,37 @@ def test_every_caller_runs_forward_passes_on_one_device_thread() -> None:
     assert threading.get_ident() not in seen
     with pytest.raises(ZeroDivisionError):
         run_on_device_thread(lambda: 1 / 0)
+
+
+def test_torch_backend_load_loads_off_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny_model("qwen2").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    loaded_on: list[str] = []
+    original = runner.load_model
+
+    def spy(*args: object, **kwargs: object) -> object:
+        loaded_on.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_model", spy)
+    backend = runner.TorchBackend.load(str(tmp_path), kv_cache_gb=0.01)
+    assert loaded_on == ["carousel-load"] and not _alive("carousel-load")
+    backend.close()
+
+
+def test_engine_steps_run_on_the_device_thread() -> None:
+    backend = SimBackend(num_blocks=64, block_size=4)
+    stepped_on: set[str] = set()
+    original = backend.execute
+
+    def spy(batch: object) -> object:
+        stepped_on.add(threading.current_thread().name)
+        return original(batch)  # type: ignore[arg-type]
+
+    backend.execute = spy  # type: ignore[method-assign]
+    with LLM(backend) as llm:
+        [result] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(result.choices[0].token_ids) == 3
+    assert len(stepped_on) == 1 and stepped_on.pop().startswith("carousel-device")

@@ -23,7 +23,9 @@ def test_packed_linear_matches_f_linear_at_every_row_count(dtype: torch.dtype, r
     torch.manual_seed(rows)
     weight, bias = torch.randn(96, 80, dtype=dtype), torch.randn(96, dtype=dtype)
     x = torch.randn(rows, 80, dtype=dtype)
-    got = Linear(weight, bias, plan)(x)
+    linear = Linear(weight, bias, plan)
+    assert linear.packed is not None
+    got = linear(x)
     want = F.linear(x, weight, bias)
     assert got.dtype == dtype and got.shape == want.shape
     if dtype == torch.bfloat16:  # same oneDNN kernel, only the weight reorder is hoisted
@@ -41,6 +43,8 @@ def test_backends_over_one_model_share_the_packed_weights() -> None:
     model = tiny_model("llama").to(torch.bfloat16)
     first = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
     second = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
+    if pack_plan(CPU, torch.bfloat16) is not None:
+        assert first.linears[0].qkv.packed is not None
     assert first.linears[0].qkv is second.linears[0].qkv
     assert first.lm_head_linear is second.lm_head_linear
     # a cast makes new parameter tensors: the next backend packs them afresh
