@@ -68,8 +68,8 @@ class LLM:
         timeout_s: float = 600.0,
     ) -> list[Generation]:
         """Run every prompt; prompt i is submitted `delays_s[i]` seconds after the first."""
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
-            prompts
+        params_list = (
+            params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
         token_lists = [self._tokenize(p) for p in prompts]
         outputs: queue.Queue[RequestOutput] = queue.Queue()
@@ -117,6 +117,4 @@ class LLM:
                 self.engine.submit(rid, toks, p, outputs.put)
             except ValueError as exc:
                 for index in range(p.n):
-                    outputs.put(
-                        RequestOutput(rid, index, finish_reason="error", error=str(exc))
-                    )
+                    outputs.put(RequestOutput(rid, index, finish_reason="error", error=str(exc)))

@@ -87,9 +87,7 @@ async def http_decode_tok_s(url: str, model: str, batch: int, prompt_len: int, s
         prompts = [
             [(100 + 7 * i + j) % 1000 + 100 for j in range(prompt_len)] for i in range(batch)
         ]
-        streams = await asyncio.gather(
-            *(one_stream(client, url, model, p, steps) for p in prompts)
-        )
+        streams = await asyncio.gather(*(one_stream(client, url, model, p, steps) for p in prompts))
     start = max(s[0] for s in streams)
     stop = min(s[-1] for s in streams)
     tokens = sum(1 for s in streams for t in s if start < t <= stop)

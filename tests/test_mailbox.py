@@ -23,9 +23,7 @@ async def test_a_burst_from_another_thread_arrives_in_order_with_one_wakeup() ->
 
     loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
     try:
-        thread = threading.Thread(
-            target=lambda: [box.post(queues[i % 3], i) for i in range(300)]
-        )
+        thread = threading.Thread(target=lambda: [box.post(queues[i % 3], i) for i in range(300)])
         thread.start()
         thread.join()
         got = [[await q.get() for _ in range(100)] for q in queues]

@@ -107,9 +107,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(
     _, model = arch_model
     # KV for one 80-token context (20 blocks), far less than the prompts need together
     backend = make_backend(model, max_num_seqs=1, max_model_len=80)
-    config = SchedulerConfig(
-        max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True
-    )
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True)
     outputs, llm = run_engine(backend, "orca", config)
     assert outputs == expected
     assert llm.engine.scheduler.num_preemptions > 0
