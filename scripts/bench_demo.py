@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.bench.cli import main  # noqa: E402
+from bench.cli import main  # noqa: E402
 from tests.test_bench_live import FakeOptions, fake_server  # noqa: E402
 
 

@@ -68,7 +68,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bench(args: list[str], commands: list[str]) -> None:
-    cmd = [PY, "-m", "gateway.bench", "--no-progress", *args]
+    cmd = [PY, "-m", "bench", "--no-progress", *args]
     commands.append(shlex.join(["carousel", "bench", *cmd[3:]]))
     print("$", commands[-1], flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -182,8 +182,8 @@ def main() -> None:
 
 def burst_ceiling(args: argparse.Namespace) -> str:
     """The orca / static ratio this burst would show if a step cost the same at any batch."""
-    from gateway.bench.bounds import step_bound
-    from gateway.bench.workload import build_workload, parse_dist
+    from bench.bounds import step_bound
+    from bench.workload import build_workload, parse_dist
 
     specs = build_workload(
         args.num_requests, parse_dist(args.input_len, "input"),
@@ -191,7 +191,7 @@ def burst_ceiling(args: argparse.Namespace) -> str:
     )  # fmt: skip
     bound = step_bound([spec.max_tokens for spec in specs], seats=AB_MAX_NUM_SEQS)
     return (
-        f"Ceiling for this exact workload (`gateway/bench/bounds.py`): with "
+        f"Ceiling for this exact workload (`bench/bounds.py`): with "
         f"{AB_MAX_NUM_SEQS} seats in arrival order, static needs {bound.static_steps} decode "
         f"steps and orca {bound.orca_steps}, so even at a flat step cost (whatever the batch "
         f"size) orca could reach at most **{bound.ratio:.2f}x**."

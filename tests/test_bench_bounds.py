@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.bench.bounds import step_bound
+from bench.bounds import step_bound
 
 
 def test_static_waits_for_the_longest_while_orca_refills_seats() -> None:

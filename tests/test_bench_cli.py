@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.cli import api_base, build_config, register, run
+from bench.cli import api_base, build_config, register, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,9 +79,9 @@ def test_unreadable_dataset_exits_2(tmp_path: Path) -> None:
 def test_module_entry_point_and_no_torch_import() -> None:
     code = (
         "import sys, runpy; sys.argv = ['x', '--help']\n"
-        "try:\n    runpy.run_module('gateway.bench', run_name='__main__')\n"
+        "try:\n    runpy.run_module('bench', run_name='__main__')\n"
         "except SystemExit as e:\n    assert e.code == 0\n"
-        "import gateway.bench.report, gateway.bench.plots\n"
+        "import bench.report, bench.plots\n"
         "assert 'torch' not in sys.modules, 'the bench must not import torch'\n"
     )
     proc = subprocess.run(

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.bench.client import (
+from bench.client import (
     ClientConfig,
     RequestResult,
     build_body,
@@ -19,7 +19,7 @@ from gateway.bench.client import (
     run_requests,
     send_request,
 )
-from gateway.bench.workload import RequestSpec
+from bench.workload import RequestSpec
 
 CFG = ClientConfig(api_base="http://test/v1", model="m")
 SPEC = RequestSpec(index=0, max_tokens=3, prompt="a b c", target_input_len=3)

@@ -29,7 +29,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.bench.cli import main
+from bench.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -334,7 +334,7 @@ def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> Non
     with fake_server(FakeOptions(step_s=0.05)) as (url, seen):
         args = bench_args(url, out, "--arm", "a", "--arm", "b", "--output-len", "fixed:200")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.bench", *args],
+            [sys.executable, "-m", "bench", *args],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.bench.client import RequestResult
-from gateway.bench.metrics import Slo, compute_metrics, error_counts, meets_slo, summarize, tpot
+from bench.client import RequestResult
+from bench.metrics import Slo, compute_metrics, error_counts, meets_slo, summarize, tpot
 
 
 def done(

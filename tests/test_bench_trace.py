@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from gateway.bench.plots import plot_carousel
-from gateway.bench.trace import (
+from bench.plots import plot_carousel
+from bench.trace import (
     ArmTrace,
     fetch_trace,
     parse_trace,

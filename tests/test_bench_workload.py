@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.bench.workload import (
+from bench.workload import (
     WORDS,
     arrival_offsets,
     build_workload,

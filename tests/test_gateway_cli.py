@@ -87,8 +87,8 @@ def test_bench_subcommand_is_registered_when_present() -> None:
     import importlib.util
 
     choices = build_parser()._subparsers._group_actions[0].choices
-    has_bench = importlib.util.find_spec("gateway.bench") is not None and (
-        importlib.util.find_spec("gateway.bench.cli") is not None
+    has_bench = importlib.util.find_spec("bench") is not None and (
+        importlib.util.find_spec("bench.cli") is not None
     )
     assert ("bench" in choices) == has_bench
     assert {"serve", "generate"} <= set(choices)

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from gateway.bench.client import ClientConfig
-from gateway.bench.metrics import Slo
-from gateway.bench.runner import BenchConfig, BenchResult, rate_label, run_bench
-from gateway.bench.workload import (
+from bench.client import ClientConfig
+from bench.metrics import Slo
+from bench.runner import BenchConfig, BenchResult, rate_label, run_bench
+from bench.workload import (
     PRESETS,
     build_workload,
     load_dataset,
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("carousel bench: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    from gateway.bench.report import write_report
+    from bench.report import write_report
 
     report_path = write_report(cfg, specs, result)
     _print_summary(result)
@@ -294,7 +294,7 @@ def _print_summary(result: BenchResult) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (`python -m gateway.bench`)."""
+    """Standalone entry point (`python -m bench`)."""
     parser = argparse.ArgumentParser(prog="carousel bench", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))

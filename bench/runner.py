@@ -21,10 +21,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from gateway.bench.client import ClientConfig, RequestResult, RunOutcome, run_requests
-from gateway.bench.metrics import Slo, compute_metrics
-from gateway.bench.trace import ArmTrace, fetch_trace, server_root
-from gateway.bench.workload import LengthDist, RequestSpec, arrival_offsets
+from bench.client import ClientConfig, RequestResult, RunOutcome, run_requests
+from bench.metrics import Slo, compute_metrics
+from bench.trace import ArmTrace, fetch_trace, server_root
+from bench.workload import LengthDist, RequestSpec, arrival_offsets
 
 DEFAULT_ARM = "default"
 

@@ -31,10 +31,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.metrics import error_counts, tpot
-from gateway.bench.runner import BenchConfig, BenchResult, RunRecord, rate_label
-from gateway.bench.trace import trace_summary
-from gateway.bench.workload import RequestSpec
+from bench.metrics import error_counts, tpot
+from bench.runner import BenchConfig, BenchResult, RunRecord, rate_label
+from bench.trace import trace_summary
+from bench.workload import RequestSpec
 
 SCHEMA_VERSION = 1
 # (key in report.json, metrics path, higher is better)
@@ -199,7 +199,7 @@ def _write_requests(path: Path, runs: list[RunRecord]) -> None:
 
 
 def _draw_plots(out: Path, cfg: BenchConfig, runs: list[RunRecord], notes: list[str]) -> list[str]:
-    from gateway.bench import plots  # matplotlib is imported only when drawing
+    from bench import plots  # matplotlib is imported only when drawing
 
     files: list[str] = []
     rates = list(dict.fromkeys(run.rate for run in runs))

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.bench.client import RequestResult
+from bench.client import RequestResult
 
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import httpx
 
-from gateway.bench.workload import RequestSpec
+from bench.workload import RequestSpec
 
 Endpoint = Literal["chat", "completions"]
 ARM_HEADER = "X-Carousel-Arm"

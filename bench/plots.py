@@ -22,7 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
-from gateway.bench.trace import ArmTrace, seat_grid
+from bench.trace import ArmTrace, seat_grid
 
 DPI = 110
 EMPTY_SEAT = "#e4e4e4"
