@@ -88,7 +88,9 @@ def test_batched_greedy_equals_hf_generate_alone(
 ) -> None:
     _, model = arch_model
     backend = make_backend(model)
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)
+    # NOTE: static waits 20 ms to fill a batch, so the two requests submitted together at
+    # t = 0 always share one, however late the engine thread wakes on a loaded machine.
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, batch_wait_ms=20)
     outputs, llm = run_engine(backend, scheduler, config)
     assert outputs == expected
     engine = llm.engine
