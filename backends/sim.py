@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Backend, KVCacheSpec
 from backends.byte_tokenizer import EOS_TOKEN_ID, ByteTokenizer
+from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.sequence import Sequence, TokenLogprob
 

@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from backends.base import Backend
 from gateway.context import RequestContext
 from gateway.deployment import Arm, Reply
 from gateway.metrics import ArmGauges, GatewayMetrics
@@ -17,6 +16,7 @@ from gateway.serving_chat import serve_chat
 from gateway.serving_common import EngineRuntime, ServingOptions
 from gateway.serving_completion import serve_completion
 from gateway.settings import Settings
+from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
 
@@ -189,7 +189,7 @@ def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Ba
             max_model_len=settings.max_model_len or settings.sim_max_model_len,
             time_scale=settings.sim_time_scale,
         )
-    from backends.own_thread import call_on_own_thread
+    from backends.torch.device_thread import call_on_own_thread
     from backends.torch.runner import TorchBackend
 
     def build() -> Backend:
@@ -207,7 +207,7 @@ def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Ba
         )
 
     # NOTE: loading runs OpenMP ops; a thread that exits takes its OpenMP pool with it, so
-    # the engine thread's pool is the only one left (see backends/own_thread.py)
+    # the engine thread's pool is the only one left (see backends/torch/device_thread.py)
     return call_on_own_thread(build, "carousel-load")
 
 

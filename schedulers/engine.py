@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.base import Backend
-from backends.detokenizer import IncrementalDetokenizer
-from backends.own_thread import run_on_device_thread
+from schedulers.backend import Backend
 from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
+from schedulers.detokenizer import IncrementalDetokenizer
 from schedulers.mailbox import mailbox_for
 from schedulers.outputs import IterationRecord, RequestOutput
 from schedulers.sampling_params import SamplingParams
@@ -285,7 +284,7 @@ class Engine:
     def _step(self, batch: Batch) -> None:
         start_wall, start = time.time(), time.monotonic()
         try:
-            output = run_on_device_thread(self.backend.execute, batch)
+            output = self.backend.execute(batch)
             self.scheduler.update(batch, output)
         except Exception as exc:  # fail only this step's requests; the loop goes on
             log_exception("engine_step_failed", engine=self.name, iteration=batch.iteration)

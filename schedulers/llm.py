@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from backends.base import Backend
+from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
 from schedulers.outputs import RequestOutput

@@ -62,7 +62,6 @@ def top(module: str) -> str:
     return module.split(".")[0]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12: the Backend interface moves to schedulers/")
 def test_schedulers_never_import_backends() -> None:
     bad = [e for e in package_edges("schedulers") if top(e.target) == "backends"]
     assert not bad, bad

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from backends.base import Backend, KVCacheSpec
-from backends.own_thread import call_on_own_thread
+from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import DEFAULT_MODEL, check_architecture, load_model
 from backends.torch.model import AttentionMetadata, PagedCausalLM
 from backends.torch.sampler import Sampler
+from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import blocks_for
 
@@ -135,7 +135,7 @@ class TorchBackend(Backend):
         """Load `model` (see loader.py for what a reference may be) onto `device`.
 
         The loading runs on a thread of its own that exits afterwards, so it leaves no
-        OpenMP pool behind to compete with the engine thread's (backends/own_thread.py).
+        OpenMP pool behind to compete with the engine thread's (backends/torch/device_thread.py).
         """
         target = resolve_device(device)
 
@@ -161,6 +161,10 @@ class TorchBackend(Backend):
         return KVCacheSpec(num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size)
 
     def execute(self, batch: Batch) -> ExecuteOutput:
+        """Run `batch` on the process's one device thread (backends/torch/device_thread.py)."""
+        return run_on_device_thread(self._execute, batch)
+
+    def _execute(self, batch: Batch) -> ExecuteOutput:
         rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
         logits = self.logits(batch, rows)
         seqs = [batch.seqs[i] for i in rows]

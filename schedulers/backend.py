@@ -1,4 +1,8 @@
-"""The Backend contract: report KV capacity, execute one Batch, hand back sampled tokens."""
+"""The Backend contract the engine calls: report KV capacity, execute one Batch, sample.
+
+The engine owns this interface (as vLLM's engine core owns its executor's); implementations
+live in backends/ and import it, never the reverse (tests/test_layering.py).
+"""
 
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ class KVCacheSpec:
 class Backend(abc.ABC):
     """Executes iterations. Never decides batch membership.
 
-    Implementations run on the engine thread only; `execute` is called with a Batch whose
-    sequences' block tables already cover every scheduled token.
+    The engine calls it from its loop thread only (an implementation may hop elsewhere:
+    the torch backend runs every forward on one process-wide device thread); `execute` is
+    called with a Batch whose sequences' block tables already cover every scheduled token.
     """
 
     #: HF-compatible tokenizer (encode / decode / convert_ids_to_tokens / apply_chat_template)
