@@ -8,7 +8,6 @@ from typing import Any
 
 from gateway.context import RequestContext
 from gateway.deployment import Reply
-from gateway.engine_stream import OutputStream
 from gateway.errors import invalid, unsupported
 from gateway.logprobs import chat_logprobs
 from gateway.protocol import (
@@ -35,6 +34,7 @@ from gateway.serving_common import (
     sampling_params,
 )
 from gateway.streaming import PayloadStream
+from schedulers.client import RequestStream
 
 # NOTE: `developer` is OpenAI's newer name for `system`; templates only know the latter.
 _TEMPLATE_ROLE = {
@@ -180,7 +180,7 @@ async def _chunks(
     runtime: EngineRuntime,
     request: ChatCompletionRequest,
     ctx: RequestContext,
-    stream: OutputStream,
+    stream: RequestStream,
 ) -> AsyncGenerator[str, None]:
     """Role chunk per choice, content deltas, a finish chunk per choice, [usage]."""
     include_usage = request.include_usage

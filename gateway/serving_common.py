@@ -19,7 +19,6 @@ import anyio
 import structlog
 
 from gateway.context import ClientDisconnected, RequestContext
-from gateway.engine_stream import OutputStream
 from gateway.errors import (
     SHUTTING_DOWN,
     APIError,
@@ -32,6 +31,8 @@ from gateway.errors import (
 )
 from gateway.protocol import MAX_ARRAY_ITEMS, MAX_STOP_SEQUENCES, SamplingRequest
 from schedulers.base import AdmissionError
+from schedulers.client import RequestStream
+from schedulers.client import open_stream as open_engine_stream
 from schedulers.engine import Engine, EngineDeadError
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
@@ -255,7 +256,7 @@ def open_stream(
     prompts: list[list[int]],
     params: SamplingParams,
     param: str,
-) -> OutputStream:
+) -> RequestStream:
     """Submit to the engine, mapping refusals to OpenAI errors (400, 429, 503)."""
     engine, options = runtime.engine, runtime.options
     num_choices = len(prompts) * params.n
@@ -275,7 +276,7 @@ def open_stream(
             options.retry_after_s,
         )
     try:
-        return OutputStream(engine, ctx.engine_request_id, prompts, params)
+        return open_engine_stream(engine, ctx.engine_request_id, prompts, params)
     except AdmissionError as exc:
         if exc.code == "context_length_exceeded":
             raise context_length_exceeded(str(exc), param) from None
@@ -331,7 +332,7 @@ def accept_output(runtime: EngineRuntime, ctx: RequestContext, output: RequestOu
 
 
 async def collect(
-    runtime: EngineRuntime, stream: OutputStream, ctx: RequestContext, num_choices: int
+    runtime: EngineRuntime, stream: RequestStream, ctx: RequestContext, num_choices: int
 ) -> list[ChoiceResult]:
     """Read every choice to its end, aborting if the client disconnects meanwhile."""
     results = [ChoiceResult() for _ in range(num_choices)]

@@ -7,7 +7,6 @@ from collections.abc import AsyncGenerator
 
 from gateway.context import RequestContext
 from gateway.deployment import Reply
-from gateway.engine_stream import OutputStream
 from gateway.errors import invalid, unsupported
 from gateway.logprobs import completion_logprobs, text_length
 from gateway.protocol import (
@@ -30,6 +29,7 @@ from gateway.serving_common import (
     sampling_params,
 )
 from gateway.streaming import PayloadStream
+from schedulers.client import RequestStream
 
 
 def check_unsupported(request: CompletionRequest) -> None:
@@ -133,7 +133,7 @@ async def _chunks(
     runtime: EngineRuntime,
     request: CompletionRequest,
     ctx: RequestContext,
-    stream: OutputStream,
+    stream: RequestStream,
     echoes: list[str],
 ) -> AsyncGenerator[str, None]:
     """[Echoed prompt per choice], text deltas, a finish chunk per choice, [usage]."""

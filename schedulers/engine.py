@@ -1,28 +1,27 @@
 """The engine loop: schedule -> backend.execute -> update, on its own thread.
 
-The gateway talks to it from asyncio through `generate` (an async stream of outputs) and
-`abort`; tests and the CLI use `submit` with a plain callback. Commands cross threads
-through a lock-protected deque; the loop sleeps on an Event when it has nothing to do.
+It works in tokens only: `submit` takes a callback that receives token-level outputs
+(`RequestOutput` with empty `text`) on the engine thread. Callers read text through the one
+async client (schedulers/client.py), which detokenizes and checks stop strings on its own
+loop (schedulers/output_processor.py). Commands cross threads through a lock-protected
+deque; the loop sleeps on an Event when it has nothing to do.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from schedulers.backend import Backend
 from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
-from schedulers.detokenizer import IncrementalDetokenizer
-from schedulers.mailbox import mailbox_for
 from schedulers.outputs import IterationRecord, RequestOutput
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import FinishReason, Sequence
@@ -58,7 +57,6 @@ class _Request:
     request_id: str
     seqs: list[Sequence]
     sink: OutputSink
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
 
 
 class Engine:
@@ -145,31 +143,13 @@ class Engine:
         self.scheduler.check_admissible(seqs[0])
         self._command("add", _Request(request_id, seqs, sink))
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit and stream outputs; closing the stream early aborts the request."""
-        mailbox = mailbox_for(asyncio.get_running_loop())
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(output: RequestOutput) -> None:
-            mailbox.post(queue, output)
-
-        self.submit(request_id, prompt_token_ids, params, sink)
-        remaining = params.n
-        try:
-            while remaining:
-                output = await queue.get()
-                if output.finished:
-                    remaining -= 1
-                yield output
-        finally:
-            if remaining:
-                self.abort(request_id)
-
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at the start of the next iteration."""
         self._command("abort", request_id)
+
+    def stop_choice(self, request_id: str, index: int) -> None:
+        """End choice `index` with `stop` (a stop string matched on the client's side)."""
+        self._command("stop", (request_id, index))
 
     @property
     def num_running(self) -> int:
@@ -243,6 +223,8 @@ class Engine:
                 self._add(payload)
                 with self._lock:
                     self._num_queued_seqs -= len(payload.seqs)
+            elif kind == "stop":
+                self._stop_choice(*payload)
             else:
                 self._abort(payload)
 
@@ -265,11 +247,6 @@ class Engine:
                 self.scheduler.finish_running(seq, FinishReason.ERROR, str(exc))
             self._finish_request_with_error(request, str(exc))
             return
-        tokenizer = self.backend.tokenizer
-        for seq in request.seqs:
-            request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                tokenizer, seq.prompt_token_ids, seq.sampling_params.stop
-            )
         self._requests[request.request_id] = request
 
     def _abort(self, request_id: str) -> None:
@@ -279,6 +256,15 @@ class Engine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish_running(seq, FinishReason.ABORT)
+                self._emit(request, seq, [], final=True)
+
+    def _stop_choice(self, request_id: str, index: int) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.index == index and not seq.is_finished:
+                self.scheduler.finish_running(seq, FinishReason.STOP)
                 self._emit(request, seq, [], final=True)
 
     def _step(self, batch: Batch) -> None:
@@ -310,22 +296,11 @@ class Engine:
         return [(seq, sampled[seq.seq_id]) for seq in batch.seqs if seq.seq_id in sampled]
 
     def _emit(self, request: _Request, seq: Sequence, new: list[Any], final: bool) -> None:
-        detok = request.detokenizers.get(seq.seq_id)
-        token_ids = [t.token_id for t in new]
-        if detok is not None and token_ids and seq.finish_reason is not FinishReason.ABORT:
-            detok.add_tokens(token_ids)
-            if detok.stopped and not seq.is_finished:
-                self.scheduler.finish_running(seq, FinishReason.STOP)
-                final = True
-            if final:
-                detok.finish()
-        text = detok.take(final=final) if detok is not None else ""
         want_logprobs = seq.sampling_params.logprobs is not None
         output = RequestOutput(
             request_id=request.request_id,
             index=seq.index,
-            text=text,
-            token_ids=token_ids,
+            token_ids=[t.token_id for t in new],
             logprobs=list(new) if want_logprobs else [],
             finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
             error=seq.error if final else None,

@@ -10,7 +10,10 @@ from schedulers.sequence import TokenLogprob
 
 @dataclass
 class RequestOutput:
-    """New text and tokens of one choice (`index`) of one request since its last output.
+    """New tokens (and text) of one choice (`index`) of one request since its last output.
+
+    The engine fills the token fields and leaves `text` empty; the client's output
+    processor (schedulers/output_processor.py) fills `text` on the consumer's side.
 
     The last output of a choice has `finish_reason` set: `stop`, `length`, `abort` or
     `error` (then `error` holds the message and `error_code`, when set, says why: e.g.
