@@ -10,20 +10,18 @@ from __future__ import annotations
 from backends.upstream import UpstreamConfig
 from gateway.arm_settings import ArmSettings
 from gateway.deployment import Arm, Deployment
-from gateway.local_arm import (
-    LocalArm,
-    SharedWeights,
-    load_backend,
-    scheduler_config,
-    serving_options,
-)
+from gateway.engine_factory import SharedWeights, load_backend, scheduler_config, serving_options
+from gateway.local_arm import LocalArm
 from gateway.settings import Settings
 from gateway.upstream_arm import UpstreamArm
 
 
 def arm_settings(settings: Settings, arm: ArmSettings) -> Settings:
-    """The top-level settings with a local arm's own knobs laid over them."""
-    return settings.model_copy(update=arm.engine_overrides())
+    """The top-level settings with a local arm's own knobs laid over them (both validated)."""
+    update = arm.engine_overrides()
+    options = update.pop("scheduler_options", {})
+    update["scheduler_options"] = {**settings.scheduler_options, **options}
+    return settings.model_copy(update=update)
 
 
 def local_arm(settings: Settings, name: str, weight: float, weights: SharedWeights) -> LocalArm:
@@ -32,8 +30,8 @@ def local_arm(settings: Settings, name: str, weight: float, weights: SharedWeigh
         lambda: load_backend(settings, weights),
         scheduler=settings.scheduler,
         config=scheduler_config(settings),
+        policy_options=settings.scheduler_options,
         options=serving_options(settings),
-        max_model_len=settings.max_model_len,
     )
     arm.weight = weight
     return arm

@@ -81,7 +81,7 @@ class EngineRuntime:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        return self.engine.max_model_len
 
     @property
     def vocab_size(self) -> int:

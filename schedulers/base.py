@@ -1,12 +1,13 @@
-"""The Scheduler plug-in contract and the registry of policies by name."""
+"""The Scheduler plug-in contract (policies and their registry: schedulers/registry.py)."""
 
 from __future__ import annotations
 
 import abc
+import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager, blocks_for
@@ -15,16 +16,17 @@ from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence, SequenceS
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Knobs shared by every policy (`batch_wait_ms` is read by `static` only).
+    """Knobs shared by every policy (a policy's own knobs are its `Options`).
 
+    `max_model_len` is the context window (None: the backend's); the engine caps it at what
+    its backend serves and hands the policy a config where it is always set.
     `max_queue_wait_s`: a sequence never scheduled this long after it arrived is finished
     with an error (`error_code` `queue_timeout`) instead of waiting on; None: no limit.
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    batch_wait_ms: float = 0.0
+    max_model_len: int | None = None
     enable_chunked_prefill: bool = False
     max_queue_wait_s: float | None = None
 
@@ -45,17 +47,32 @@ class AdmissionError(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a policy that has none of its own."""
+
+
 class Scheduler(abc.ABC):
     """Decides, once per iteration, which sequences run and how many tokens each computes.
 
     Policies share the sequence state and the block manager; they differ only in whom they
     admit and when. Not thread-safe: the engine calls it from its loop thread only.
+
+    A policy's own knobs are a frozen dataclass named in `Options`: each field's default,
+    type and `metadata["help"]` become a flag, a `CAROUSEL_*` variable, a YAML key and a
+    per-arm override (gateway/settings.py); `__post_init__` raises ValueError on bad values.
     """
 
-    name: str = ""
+    #: the name it is registered under (set by `register_scheduler`)
+    name: ClassVar[str] = ""
+    #: the dataclass of this policy's own options
+    Options: ClassVar[type[Any]] = NoOptions
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, options: Any = None
+    ) -> None:
         self.config = config
+        self.options = self.Options() if options is None else options
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -67,9 +84,9 @@ class Scheduler(abc.ABC):
     def check_admissible(self, seq: Sequence) -> None:
         """Raise AdmissionError when `seq` could never run, even alone."""
         total = seq.max_total_tokens
-        if total > self.config.max_model_len:
+        if total > self.max_model_len:
             raise AdmissionError(
-                f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {total} tokens ({seq.num_prompt_tokens} in the "
                 f"prompt, {seq.sampling_params.max_tokens} for the completion). Please reduce "
                 "the prompt or max_tokens."
@@ -179,7 +196,7 @@ class Scheduler(abc.ABC):
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens >= self.config.max_model_len:
+        if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -195,46 +212,14 @@ class Scheduler(abc.ABC):
     # -- introspection -----------------------------------------------------------------------
 
     @property
+    def max_model_len(self) -> int:
+        """The context window (unbounded when the config leaves it to the backend)."""
+        return self.config.max_model_len or sys.maxsize
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def next_wakeup(self) -> float | None:
         """Monotonic time at which an idle scheduler wants to be asked again (static's wait)."""
         return None
-
-
-SchedulerFactory = Callable[[SchedulerConfig, BlockManager], Scheduler]
-_REGISTRY: dict[str, SchedulerFactory] = {}
-
-
-def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]]:
-    """Class decorator adding a policy to the registry under `name`."""
-
-    def decorate(cls: type[Scheduler]) -> type[Scheduler]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
-
-
-def _load_builtin_policies() -> None:
-    import schedulers.orca
-    import schedulers.static  # noqa: F401 - importing registers them
-
-
-def available_schedulers() -> list[str]:
-    _load_builtin_policies()
-    return sorted(_REGISTRY)
-
-
-def create_scheduler(name: str, config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
-    """Build the policy registered as `name`."""
-    _load_builtin_policies()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown scheduler {name!r}; available: {', '.join(available_schedulers())}"
-        ) from None
-    return factory(config, block_manager)

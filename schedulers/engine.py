@@ -14,15 +14,16 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from schedulers.backend import Backend
-from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
+from schedulers.base import AdmissionError, SchedulerConfig
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.outputs import IterationRecord, RequestOutput
+from schedulers.registry import create_scheduler
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import FinishReason, Sequence
 
@@ -68,17 +69,23 @@ class Engine:
         scheduler: str = "orca",
         config: SchedulerConfig | None = None,
         *,
+        policy_options: Mapping[str, Any] | None = None,
         name: str = "default",
         trace_capacity: int = 4096,
     ) -> None:
         config = config or SchedulerConfig()
-        max_model_len = min(config.max_model_len, backend.max_model_len)
-        self.config = dataclasses.replace(config, max_model_len=max_model_len)
+        # NOTE: the one place the served context window is decided: what was asked, capped
+        # at what the backend can serve (None: the backend's).
+        asked = config.max_model_len or backend.max_model_len
+        self.max_model_len = min(asked, backend.max_model_len)
+        self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
         spec = backend.kv_cache_spec
         self.backend = backend
         self.name = name
         self.block_manager = BlockManager(spec.num_blocks, spec.block_size)
-        self.scheduler = create_scheduler(scheduler, self.config, self.block_manager)
+        self.scheduler = create_scheduler(
+            scheduler, self.config, self.block_manager, policy_options
+        )
         self.trace: deque[IterationRecord] = deque(maxlen=trace_capacity)
         self.iteration_listeners: list[Callable[[IterationRecord], None]] = []
         self.finish_listeners: list[Callable[[Sequence], None]] = []

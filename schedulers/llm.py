@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
@@ -42,8 +44,9 @@ class LLM:
         backend: Backend,
         scheduler: str = "orca",
         config: SchedulerConfig | None = None,
+        policy_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.engine = Engine(backend, scheduler, config)
+        self.engine = Engine(backend, scheduler, config, policy_options=policy_options)
         self.engine.start()
 
     def __enter__(self) -> LLM:

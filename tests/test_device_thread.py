@@ -10,7 +10,7 @@ import pytest
 from backends.sim import SimBackend
 from backends.torch import runner
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
-from gateway import local_arm
+from gateway import engine_factory
 from gateway.settings import Settings
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.llm import LLM
@@ -49,14 +49,14 @@ def test_load_backend_loads_the_model_off_the_callers_thread(
     tiny_model("llama").save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     loaded_on: list[str] = []
-    original = local_arm.SharedWeights.get
+    original = engine_factory.SharedWeights.get
 
-    def spy(self: local_arm.SharedWeights) -> object:
+    def spy(self: engine_factory.SharedWeights) -> object:
         loaded_on.append(threading.current_thread().name)
         return original(self)
 
-    monkeypatch.setattr(local_arm.SharedWeights, "get", spy)
-    backend = local_arm.load_backend(Settings(model=str(tmp_path), kv_cache_gb=0.01))
+    monkeypatch.setattr(engine_factory.SharedWeights, "get", spy)
+    backend = engine_factory.load_backend(Settings(model=str(tmp_path), kv_cache_gb=0.01))
     assert loaded_on == ["carousel-load"]
     assert not _alive("carousel-load")
     assert backend.kv_cache_spec.num_blocks > 0

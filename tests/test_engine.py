@@ -8,7 +8,7 @@ import time
 import pytest
 
 from backends.sim import SimBackend
-from schedulers.base import AdmissionError, SchedulerConfig
+from schedulers.base import AdmissionError
 from schedulers.client import generate
 from schedulers.engine import Engine, EngineDeadError
 from schedulers.llm import LLM
@@ -165,7 +165,7 @@ def test_inadmissible_request_is_refused_synchronously() -> None:
 
 
 def test_idle_engine_does_not_spin() -> None:
-    engine = Engine(SimBackend(), "static", SchedulerConfig(batch_wait_ms=50))
+    engine = Engine(SimBackend(), "static", policy_options={"batch_wait_ms": 50})
     engine.start()
     try:
         start_cpu, start = time.process_time(), time.monotonic()

@@ -45,10 +45,13 @@ def prompts(seed: int = 1) -> list[list[int]]:
 
 
 def run_engine(
-    backend: TorchBackend, scheduler: str, config: SchedulerConfig
+    backend: TorchBackend,
+    scheduler: str,
+    config: SchedulerConfig,
+    policy_options: dict[str, float] | None = None,
 ) -> tuple[list[list[int]], LLM]:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-    llm = LLM(backend, scheduler, config)
+    llm = LLM(backend, scheduler, config, policy_options)
     try:
         gens = llm.generate(prompts(), params, delays_s=DELAYS_S)
     finally:
@@ -90,8 +93,8 @@ def test_batched_greedy_equals_hf_generate_alone(
     backend = make_backend(model)
     # NOTE: static waits 20 ms to fill a batch, so the two requests submitted together at
     # t = 0 always share one, however late the engine thread wakes on a loaded machine.
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, batch_wait_ms=20)
-    outputs, llm = run_engine(backend, scheduler, config)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)
+    outputs, llm = run_engine(backend, scheduler, config, {"batch_wait_ms": 20})
     assert outputs == expected
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

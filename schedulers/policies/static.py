@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
-from schedulers.base import Scheduler, register_scheduler
+from schedulers.base import Scheduler
 from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
+from schedulers.registry import register_scheduler
 from schedulers.sequence import SequenceStatus
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """static's own knobs."""
+
+    batch_wait_ms: float = field(
+        default=0.0, metadata={"help": "static: wait this long (ms) for a batch to fill"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be at least 0, got {self.batch_wait_ms}")
 
 
 @register_scheduler("static")
@@ -21,6 +36,9 @@ class StaticScheduler(Scheduler):
     as many iterations as the token budget needs. Nobody joins meanwhile; a member that
     finishes early returns at once and its seat stays empty until the whole batch is done.
     """
+
+    Options = StaticOptions
+    options: StaticOptions
 
     def _schedule(self, batch: Batch) -> None:
         if not self.running:
@@ -45,7 +63,7 @@ class StaticScheduler(Scheduler):
 
     def _form_deadline(self) -> float:
         """When the oldest waiting request stops waiting for the batch to fill."""
-        return self.waiting[0].arrival_time + self.config.batch_wait_ms / 1000.0
+        return self.waiting[0].arrival_time + self.options.batch_wait_ms / 1000.0
 
     def _form_batch(self) -> None:
         bm = self.block_manager

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from schedulers.base import Scheduler, register_scheduler
+from schedulers.base import Scheduler
 from schedulers.batch import Batch
+from schedulers.registry import register_scheduler
 from schedulers.sequence import Sequence, SequenceStatus
 
 
