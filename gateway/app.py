@@ -34,6 +34,7 @@ from gateway.auth import APIKeyMiddleware
 from gateway.context import RequestContext
 from gateway.deployment import Deployment, Deployments
 from gateway.deployment_factory import deployment_from_settings
+from gateway.endpoints import BY_PATH
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import (
@@ -46,9 +47,6 @@ from gateway.routes import router
 from gateway.settings import Settings
 
 log = structlog.get_logger("carousel.gateway")
-
-#: the OpenAI endpoints, by the `endpoint` label their requests are counted under
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 @dataclass
@@ -120,7 +118,7 @@ class GatewayState:
     def record_refusal(self, scope: Scope, status: int, message: str) -> None:
         """Log (and, on the OpenAI endpoints, count) a request a middleware refused."""
         request_id = scope.get("state", {}).get("request_id", "")
-        endpoint = _ENDPOINTS.get(scope["path"])
+        endpoint = BY_PATH.get(scope["path"])
         if endpoint is None:
             log.info("refused", path=scope["path"], status=status, request_id=request_id)
             return
@@ -128,7 +126,7 @@ class GatewayState:
         async def connected() -> bool:
             return False
 
-        ctx = RequestContext(request_id, endpoint, "", connected, metrics=self.metrics)
+        ctx = RequestContext(request_id, endpoint.name, "", connected, metrics=self.metrics)
         ctx.finish(status, message)
 
 

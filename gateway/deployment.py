@@ -1,28 +1,30 @@
 """The model layer: a served model name (`Deployment`) and the arms that can answer for it.
 
-An `Arm` takes a validated OpenAI request and returns either a whole response body or a
-stream of chunk payloads (JSON strings, framed as SSE by the route). A `LocalArm`
-(gateway/local_arm.py) runs an Engine in this process; an upstream arm would proxy the same
-request to another OpenAI-compatible server with httpx. Today every deployment has one
-local arm; `Deployment.pick` is where an A/B split chooses among several.
+An `Arm` serves any endpoint of the table (gateway/endpoints.py) through one method: it
+takes a validated OpenAI request and returns either a whole response body or a stream of
+chunk payloads (JSON strings, framed as SSE by the route). A `LocalArm`
+(gateway/local_arm.py) runs the endpoint's local pipeline on an Engine in this process; an
+`UpstreamArm` forwards the body to another OpenAI-compatible server. `Deployment.pick` is
+where an A/B split chooses among several arms.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
+
+from pydantic import BaseModel
 
 from gateway.context import RequestContext
+from gateway.endpoint import Endpoint, Reply
 from gateway.errors import invalid, model_not_found, unavailable
 from gateway.metrics import ArmGauges, GatewayMetrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.routing import ARM_HEADER, choose_by_weight, draw_point
 
-#: a non-streaming reply is the response body; a streaming one yields chunk payloads (JSON)
-Reply: TypeAlias = dict[str, Any] | AsyncIterator[str]
+__all__ = ["Arm", "Deployment", "Deployments", "Reply"]
 
 
 class Arm(abc.ABC):
@@ -56,12 +58,8 @@ class Arm(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def chat(self, request: ChatCompletionRequest, ctx: RequestContext) -> Reply:
-        """Serve POST /v1/chat/completions."""
-
-    @abc.abstractmethod
-    async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
-        """Serve POST /v1/completions."""
+    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
+        """Serve one request of `endpoint` (`request` is its validated request model)."""
 
     def bind_metrics(self, metrics: GatewayMetrics, model: str) -> None:  # noqa: B027
         """Called once before `start`: where the arm reports engine-level series."""

@@ -7,13 +7,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pydantic import BaseModel
+
 from gateway.context import RequestContext
 from gateway.deployment import Arm, Reply
+from gateway.endpoint import Endpoint
 from gateway.metrics import ArmGauges, GatewayMetrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving_chat import serve_chat
 from gateway.serving_common import EngineRuntime, ServingOptions
-from gateway.serving_completion import serve_completion
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
@@ -130,11 +130,8 @@ class LocalArm(Arm):
     def max_model_len(self) -> int | None:
         return None if self._runtime is None else self._runtime.max_model_len
 
-    async def chat(self, request: ChatCompletionRequest, ctx: RequestContext) -> Reply:
-        return await serve_chat(self.runtime, request, ctx)
-
-    async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
-        return await serve_completion(self.runtime, request, ctx)
+    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
+        return await endpoint.local(self.runtime, request, ctx)
 
     def trace(self) -> dict[str, Any] | None:
         if self._runtime is None:
