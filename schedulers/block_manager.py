@@ -114,11 +114,11 @@ class BlockManager:
     # -- the prefix cache ----------------------------------------------------------------------
 
     def computed_prefix(self, seq: Sequence) -> PrefixHit:
-        """The longest run of cached full blocks starting `seq`'s tokens (no side effects).
+        """The longest run of cached full blocks starting `seq`'s tokens; changes no block.
 
         At least one token is always left to compute (so there are logits to sample from):
         when every full block of the tokens is cached and they end on a block boundary, the
-        last block is not used. `seq` must hold no blocks yet.
+        last block is not used. `seq` must hold no blocks yet; fills `seq.block_hashes`.
         """
         if not self.enable_prefix_caching:
             return NO_HIT
