@@ -58,6 +58,9 @@ class Sequence:
     error: str | None = None
     error_code: str | None = None
     block_table: list[int] = field(default_factory=list)
+    #: chained hashes of the full token blocks (prompt + output), filled lazily by the block
+    #: manager when prefix caching is on; tokens are only ever appended, so they stay valid
+    block_hashes: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
