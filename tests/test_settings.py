@@ -149,3 +149,15 @@ def test_serve_refuses_an_unknown_scheduler_before_opening_the_port() -> None:
     assert "unknown scheduler 'fifo'" in result.stderr and "orca, static" in result.stderr
     assert "Uvicorn running" not in result.stderr + result.stdout
     assert time.monotonic() - began < 30
+
+
+def test_every_flag_has_its_line_in_the_quickstart() -> None:
+    """Adding a knob is one field plus its docs line: this holds the docs to it."""
+    from gateway.policy_options import policy_option_names
+
+    text = (REPO / "docs" / "quickstart.md").read_text()
+    names = [name for group in GROUPS for name, _ in group_fields(group)]
+    for name in [*names, *policy_option_names()]:
+        flag = "--api-key" if name == "api_keys" else "--" + name.replace("_", "-")
+        plain = flag.removeprefix("--")
+        assert flag in text or f"--[no-]{plain}" in text, f"{flag} is not in docs/quickstart.md"
