@@ -87,6 +87,8 @@ def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Ba
     torch_backend = _torch_modules()
 
     def build() -> Backend:
+        if settings.tensor_parallel_size > 1:  # its ranks load their own shards, not `weights`
+            return call_by_name(torch_backend.TensorParallelBackend.load, settings, settings.model)
         model, tokenizer = (weights or SharedWeights(settings)).get()
         return call_by_name(torch_backend.TorchBackend, settings, model, tokenizer)
 

@@ -101,6 +101,9 @@ class EngineSettings(BaseModel):
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="400 above this many prompt tokens (default: the context)"
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="torch: split the model over this many ranks (docs/parallelism.md)"
+    )
 
 
 class ServerSettings(BaseModel):

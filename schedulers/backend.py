@@ -7,6 +7,7 @@ live in backends/ and import it, never the reverse (tests/test_layering.py).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,14 @@ class KVCacheSpec:
 
     num_blocks: int
     block_size: int
+
+
+class BackendDeadError(RuntimeError):
+    """The backend can never run another step (a tensor-parallel rank died or hung).
+
+    Raised from `execute`, it stops the engine for good (the message becomes its
+    `dead_reason`), unlike any other error, which fails only that step's requests.
+    """
 
 
 class Backend(abc.ABC):
@@ -44,6 +53,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def execute(self, batch: Batch) -> ExecuteOutput:
         """Run one iteration over `batch` and sample for every sequence that completes."""
+
+    def watch(self, on_dead: Callable[[str], None]) -> None:  # noqa: B027 - optional hook
+        """Call `on_dead(reason)` (from any thread) if the backend dies between steps."""
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget per-sequence state (sampler generators, penalty counts) of a finished seq."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from schedulers.backend import Backend
+from schedulers.backend import Backend, BackendDeadError
 from schedulers.base import AdmissionError, SchedulerConfig
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
@@ -105,6 +105,7 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
+            self.backend.watch(lambda reason: self._command("dead", reason))  # backend died idle
             self._thread = threading.Thread(
                 target=self._run, name=f"carousel-engine-{self.name}", daemon=True
             )
@@ -216,7 +217,8 @@ class Engine:
                     continue
                 self._step(batch)
         except BaseException as exc:  # the loop itself failed: make it visible, fail everyone
-            self.dead_reason = f"engine loop died: {exc!r}"
+            dead = isinstance(exc, BackendDeadError)
+            self.dead_reason = str(exc) if dead else f"engine loop died: {exc!r}"
             log_exception("engine_loop_died", engine=self.name)
             self._stopping = True
             self._fail_all(self.dead_reason)
@@ -232,6 +234,8 @@ class Engine:
                     self._num_queued_seqs -= len(payload.seqs)
             elif kind == "stop":
                 self._stop_choice(*payload)
+            elif kind == "dead":
+                raise BackendDeadError(payload)
             else:
                 self._abort(payload)
 
@@ -279,6 +283,8 @@ class Engine:
         try:
             output = self.backend.execute(batch)
             self.scheduler.update(batch, output)
+        except BackendDeadError:  # fatal: the loop ends and fails every request
+            raise
         except Exception as exc:  # fail only this step's requests; the loop goes on
             log_exception("engine_step_failed", engine=self.name, iteration=batch.iteration)
             message = f"the engine failed while running this request: {exc!r}"

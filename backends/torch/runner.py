@@ -113,7 +113,7 @@ class TorchBackend(Backend):
             dtype=self.dtype,
         )
         budget = kv_budget_bytes(self.device, kv_cache_gb, kv_cache_fraction)
-        num_blocks = plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
+        num_blocks = self._num_kv_blocks(layout, budget, max_num_seqs)  # TP: the ranks agree
         self.kv_cache = KVCache(layout, num_blocks, self.device)
         self.model = PagedCausalLM(model, self.kv_cache, prepack=prepack_weights)
         self.sampler = Sampler(config.vocab_size, self.device)
@@ -155,6 +155,10 @@ class TorchBackend(Backend):
             )
 
         return call_on_own_thread(build, "carousel-load")
+
+    def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
+        """KV blocks to allocate (tensor parallelism overrides it with the ranks' agreed count)."""
+        return plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
