@@ -107,7 +107,7 @@ def join_group(
     that take long to start (importing torch, on a busy machine) first meet in the store.
     """
     prefix = f"carousel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store.set(f"{prefix}/ready/{rank}", "1")
+    store.set(f"{prefix}/ready/{rank}", device_type)
     keys = [f"{prefix}/ready/{r}" for r in range(world_size)]
     deadline = time.monotonic() + start_timeout_s
     while not store.check(keys):
@@ -121,6 +121,9 @@ def join_group(
                 f"{start_timeout_s:.0f} s"
             )
         time.sleep(0.05)
+    devices = [store.get(k).decode() for k in keys]
+    if len(set(devices)) > 1:
+        raise ValueError(f"the ranks disagree on the device type: {devices} (rank order)")
     dist.init_process_group(
         dist_backend(device_type),
         store=dist.PrefixStore(f"{prefix}/group", store),

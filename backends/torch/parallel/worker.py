@@ -10,7 +10,8 @@ The loop holds one model instance per tensor-parallel arm of rank 0 (LOAD / UNLO
 runs each STEP's forward on its shard. It exits on SHUTDOWN; on any failure of a collective
 (rank 0 gone, or silent past the timeout: rank 0 sends a heartbeat every second while idle);
 and, when spawned, as soon as its parent process is gone (checked twice a second), so a
-killed server leaves no worker behind.
+killed server leaves no worker behind. Started from the environment it ignores SIGTERM and
+SIGINT: the server drains on them, and the drain needs every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
@@ -118,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print("rank 0 is the serving process (carousel serve)", file=sys.stderr)
         return 2
+    # NOTE: a launcher signals every rank at once (torchrun forwards SIGTERM, a terminal's ^C
+    # reaches the process group); the server then drains, which needs this rank, so rank 0's
+    # SHUTDOWN (or its silence past the timeout) is what ends a worker
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    if device_type == "cpu":  # the node's cores, shared with the other ranks on it
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     device = local_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
     store = environment_store(args.start_timeout_s)
     world_size = int(os.environ["WORLD_SIZE"])
