@@ -449,7 +449,7 @@ def test_gpu_override_reserves_nvidia_devices_for_the_engines() -> None:
         assert device["driver"] == "nvidia"
         assert "gpu" in device["capabilities"]
     assert "deploy" not in gpu["gateway"], "the gateway (upstream arms only) needs no GPU"
-    assert set(gpu) <= set(CAROUSEL_SERVICES)
+    assert set(gpu) <= set(CAROUSEL_SERVICES) | {"engine-tp"}  # tests/test_compose_tp.py
 
 
 def test_gateway_config_splits_between_the_two_engines() -> None:

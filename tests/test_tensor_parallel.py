@@ -163,3 +163,10 @@ def test_a_size_that_does_not_divide_the_model_is_refused_naming_the_valid_ones(
     ):
         TensorParallelBackend.load(str(saved[1]), tensor_parallel_size=3, device="cpu")
     assert multiprocessing.active_children() == before, "a refused size started processes"
+
+
+def test_a_model_that_is_neither_local_nor_downloadable_is_refused_before_any_process() -> None:
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match="not a local one and could not be downloaded"):
+        TensorParallelBackend.load("/no/such/model-dir", tensor_parallel_size=2, device="cpu")
+    assert multiprocessing.active_children() == before

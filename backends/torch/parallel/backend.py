@@ -126,10 +126,7 @@ class TensorParallelBackend(TorchBackend):
         """Start (or join) this process's group and load every rank's shard of `model`."""
         source = resolve_model(model)
         if not is_hf_dir(Path(source)):
-            raise ValueError(
-                f"tensor parallelism loads each rank's shard from a local HF directory with "
-                f"safetensors weights; {model!r} is not one (download it first)"
-            )
+            source = download(source)
         config = AutoConfig.from_pretrained(source)
         check_architecture(architecture_of(config))
         check_tensor_parallel_size(ModelDims.of(config), tensor_parallel_size)
@@ -270,6 +267,27 @@ class TensorParallelBackend(TorchBackend):
             group.send(Kind.UNLOAD, self.instance_id)
         self.free()
         release_group(group)
+
+
+def download(repo_id: str) -> str:
+    """A hub model's snapshot in the HF cache (each rank then reads its slices from it).
+
+    NOTE: on several nodes every rank needs the same path: a shared cache, or the same
+    snapshot downloaded on each node beforehand.
+    """
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
+    try:
+        path = snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as exc:
+        raise ValueError(
+            f"tensor parallelism reads each rank's shard from an HF directory with safetensors "
+            f"weights; {repo_id!r} is not a local one and could not be downloaded ({exc})"
+        ) from exc
+    if not is_hf_dir(Path(path)):
+        raise ValueError(f"{repo_id!r} has no safetensors weights to shard")
+    return str(path)
 
 
 def _kv_blocks_that_fit(
