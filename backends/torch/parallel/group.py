@@ -106,6 +106,10 @@ def join_group(
     NOTE: the group's own timeout (`timeout_s`) bounds every later collective, so ranks
     that take long to start (importing torch, on a busy machine) first meet in the store.
     """
+    if device_type == "cuda":
+        # NOTE: on a timed-out or failed NCCL collective, abort the communicator and raise (2)
+        # rather than kill the process (torch's default): the server may hold other arms
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     prefix = f"carousel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store.set(f"{prefix}/ready/{rank}", device_type)
     keys = [f"{prefix}/ready/{r}" for r in range(world_size)]
