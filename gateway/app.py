@@ -65,6 +65,9 @@ class GatewayState:
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():
             arm.bind_metrics(self.metrics, deployment.name)
+        for deployment in self.deployments:
+            for mirror in deployment.mirrors:
+                mirror.start(self.metrics)
         self._start_task = asyncio.create_task(self._start_arms())
 
     async def _start_arms(self) -> None:
@@ -98,6 +101,9 @@ class GatewayState:
             self._start_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._start_task
+        for deployment in self.deployments:
+            for mirror in deployment.mirrors:
+                await mirror.stop()
         for _, arm in self.deployments.arms():
             await arm.stop()
 

@@ -52,10 +52,19 @@ class RequestContext:
     _last_token_at: float | None = None
     #: the engine's id; differs from `request_id` (by a suffix) when the client chose that
     engine_request_id: str = ""
+    #: called once when the arm has accepted the request (shadow arms get their copy then)
+    on_accepted: Callable[[], None] | None = None
     _done: bool = False
 
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
+
+    def accept(self) -> None:
+        """The arm took the request (it is queued, or its upstream answered): run
+        `on_accepted`, once."""
+        callback, self.on_accepted = self.on_accepted, None
+        if callback is not None:
+            callback()
 
     def mark_token(self) -> None:
         """Record a token delivery: the first sets TTFT, later ones add an ITL gap."""

@@ -115,6 +115,10 @@ class GatewayMetrics:
             "carousel_iteration_tokens", "Tokens computed in one engine iteration", _TOKEN_BUCKETS
         )
         self.iterations = counter("carousel_iterations", "Engine iterations run")
+        self.shadow_dropped = counter(
+            "carousel_shadow_requests_dropped",
+            "Copies for a shadow arm dropped because its queue was full",
+        )
         if arm_gauges is not None:
             self.registry.register(_ArmCollector(arm_gauges))
 

@@ -51,6 +51,7 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         max_tokens = context_budget(requested, requested_param, longest, runtime, self.prompt_param)
         params = self.sampling_params(runtime, request, max_tokens)
         stream = open_stream(runtime, ctx, prompts, params, self.prompt_param)
+        ctx.accept()
         if request.stream:
             chunks = self.chunks(runtime, request, ctx, prompts, stream)
             return PayloadStream(chunks, stream.close)

@@ -74,6 +74,7 @@ class UpstreamArm(Arm):
                 _, reply = await self.client.complete(path, body, headers)
             except UpstreamError as exc:
                 raise api_error(exc) from None
+            ctx.accept()
             _account(ctx, reply)
             _relabel(reply, ctx.model)
             return reply
@@ -90,6 +91,7 @@ class UpstreamArm(Arm):
             raise api_error(exc) from None
         except StopAsyncIteration:
             first = b"data: [DONE]\n\n"
+        ctx.accept()
         payloads = _payloads(first, frames, ctx, wants_usage)
         return PayloadStream(payloads, on_close=lambda: None)
 
