@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from schedulers import registry
 from schedulers.base import SchedulerConfig
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams
@@ -53,7 +54,9 @@ def test_the_documented_policy_is_under_sixty_lines() -> None:
     assert len(policy_source().splitlines()) < 60
 
 
-def _sjf_module(tmp_path: Path) -> object:
+def _sjf_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The documented module, loaded without leaving `sjf` in this process's registry."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     path = tmp_path / "sjf_doc.py"
     path.write_text(policy_source())
     spec = importlib.util.spec_from_file_location("sjf_doc", path)
@@ -63,8 +66,10 @@ def _sjf_module(tmp_path: Path) -> object:
     return module
 
 
-def test_the_documented_policy_serves_shortest_first_and_overdue_first(tmp_path: Path) -> None:
-    cls = _sjf_module(tmp_path).ShortestPromptFirst  # type: ignore[attr-defined]
+def test_the_documented_policy_serves_shortest_first_and_overdue_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = _sjf_module(tmp_path, monkeypatch).ShortestPromptFirst  # type: ignore[attr-defined]
     config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)
     sched = cls(config, BlockManager(64, 4), cls.Options(max_wait_s=5.0))
     seqs = [_seq(i, n) for i, n in enumerate((9, 3, 6))]
