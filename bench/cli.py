@@ -14,7 +14,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from bench.client import ClientConfig
-from bench.metrics import Slo
+from bench.metrics import Slo, parse_slo
 from bench.runner import BenchConfig, BenchResult, rate_label, run_bench
 from bench.workload import (
     PRESETS,
@@ -183,7 +183,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at most this many requests in flight",
     )
 
+    load.add_argument(
+        "--repeats",
+        type=_arg_type(_positive_int, "count"),
+        default=1,
+        help="run every arm N times (repeat r with seed + r, arm order reversed on odd "
+        "repeats); the verdict then resamples runs as well as requests (default: 1)",
+    )
+
     out = parser.add_argument_group("report")
+    out.add_argument(
+        "--slo",
+        type=_arg_type(parse_slo, "SLO"),
+        default=None,
+        metavar="ttft=2s,tpot=200ms",
+        help="objectives for goodput (units ms, s or us); the same as --slo-ttft/--slo-tpot",
+    )
+    out.add_argument(
+        "--resamples",
+        type=_arg_type(_positive_int, "count"),
+        default=2000,
+        help="bootstrap resamples behind the verdict's 95%% intervals (default: 2000)",
+    )
     out.add_argument(
         "--slo-ttft",
         type=_arg_type(_positive_float, "ms"),
@@ -222,6 +243,17 @@ def api_base(url: str) -> str:
     return base
 
 
+def slo_of(args: argparse.Namespace) -> Slo:
+    """The SLO from `--slo` and/or `--slo-ttft`/`--slo-tpot`; ValueError when both set one."""
+    slo = getattr(args, "slo", None) or Slo()
+    ttft, tpot = getattr(args, "slo_ttft", None), getattr(args, "slo_tpot", None)
+    if (ttft is not None and slo.ttft_ms is not None) or (
+        tpot is not None and slo.tpot_ms is not None
+    ):
+        raise ValueError("--slo and --slo-ttft/--slo-tpot both set one objective")
+    return Slo(ttft if ttft is not None else slo.ttft_ms, tpot if tpot is not None else slo.tpot_ms)
+
+
 def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
     """Turn parsed flags into a BenchConfig."""
     arms: list[str | None] = list(dict.fromkeys(args.arm)) or [None]
@@ -245,12 +277,14 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
         output_len=args.output_len,
         dataset=args.dataset,
         seed=args.seed,
-        slo=Slo(args.slo_ttft, args.slo_tpot),
+        slo=slo_of(args),
         out_dir=out_dir,
         url=args.url,
         progress=args.progress,
         fetch_trace=args.fetch_trace,
         warmups=args.warmups,
+        repeats=args.repeats,
+        num_resamples=args.resamples,
     )
 
 
@@ -262,10 +296,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"carousel bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
     num_requests = args.num_requests or (len(dataset) if dataset else 100)
-    cfg = build_config(args, num_requests)
-    specs = build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed, dataset)
     try:
-        result = asyncio.run(run_bench(cfg, specs))
+        cfg = build_config(args, num_requests)
+    except ValueError as exc:
+        print(f"carousel bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    workloads = [
+        build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed + r, dataset)
+        for r in range(cfg.repeats)
+    ]
+    specs = workloads[0]
+    try:
+        result = asyncio.run(run_bench(cfg, workloads))
     except KeyboardInterrupt:
         print("carousel bench: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
