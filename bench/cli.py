@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import math
 import os
@@ -15,9 +16,11 @@ from urllib.parse import urlsplit
 
 from bench.client import ClientConfig
 from bench.metrics import Slo, parse_slo
+from bench.replay import load_records, replay_workload
 from bench.runner import BenchConfig, BenchResult, rate_label, run_bench
 from bench.workload import (
     PRESETS,
+    RequestSpec,
     build_workload,
     load_dataset,
     parse_dist,
@@ -87,7 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (/v1 is added "
         "when the URL has no path)",
     )
-    target.add_argument("--model", required=True, help="the model name sent in requests")
+    target.add_argument(
+        "--model",
+        default=None,
+        help="the model name sent in requests (required, except with --replay: "
+        "then it replaces the recorded one)",
+    )
     target.add_argument(
         "--arm",
         action="append",
@@ -97,9 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument(
         "--endpoint",
-        choices=("chat", "completions"),
+        choices=("chat", "completions", "responses"),
         default="chat",
-        help="/v1/chat/completions or /v1/completions (default: chat)",
+        help="/v1/chat/completions, /v1/completions or /v1/responses (default: chat)",
     )
     target.add_argument(
         "--api-key",
@@ -168,6 +176,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='prompts, one {"prompt": ...} or {"messages": [...]} per line, '
         'optional "max_tokens"; replaces --input-len',
+    )
+    load.add_argument(
+        "--replay",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="send the requests of a traffic record (carousel serve --record-traffic) at "
+        "their recorded arrival times, with their own endpoints and parameters; "
+        "replaces the synthetic workload",
+    )
+    load.add_argument(
+        "--time-scale",
+        type=_arg_type(_positive_float, "scale"),
+        default=1.0,
+        metavar="X",
+        help="with --replay: multiply the recorded gaps by X (0.5: twice as fast; default: 1)",
+    )
+    load.add_argument(
+        "--pin-lengths",
+        action="store_true",
+        help="with --replay: every request generates exactly its recorded completion tokens "
+        "(redacted records always do)",
     )
     load.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     load.add_argument(
@@ -260,7 +290,7 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
     out_dir = args.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     client = ClientConfig(
         api_base=api_base(args.url),
-        model=args.model,
+        model=args.model or "(recorded)",
         endpoint=args.endpoint,
         api_key=args.api_key,
         ignore_eos=args.ignore_eos,
@@ -288,23 +318,52 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
     )
 
 
+def _replay_config(args: argparse.Namespace) -> tuple[BenchConfig, list[RequestSpec]]:
+    """The config and requests of `--replay`; ValueError (or OSError) for a usage error."""
+    if args.dataset or args.sweep_rates or args.rate != math.inf:
+        raise ValueError("--replay replaces --dataset, --rate and --sweep-rates")
+    records, skipped = load_records(args.replay)
+    records = records[: args.num_requests] if args.num_requests else records
+    if not records:
+        raise ValueError("the traffic record holds no request the bench can send")
+    workload = replay_workload(
+        records,
+        time_scale=args.time_scale,
+        model=args.model,
+        pin_lengths=args.pin_lengths,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+    info = {"files": [str(p) for p in args.replay], **workload.info, "skipped": dict(skipped)}
+    cfg = dataclasses.replace(
+        build_config(args, len(workload.specs)),
+        rates=[workload.offered_rate],
+        offsets=workload.offsets,
+        replay=info,
+    )
+    return cfg, workload.specs
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the bench; 0 on success, 1 when no request completed, 130 when interrupted."""
+    if not args.model and not args.replay:
+        print("carousel bench: --model is required (except with --replay)", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        dataset = load_dataset(args.dataset) if args.dataset else None
+        dataset = load_dataset(args.dataset) if args.dataset and not args.replay else None
+        if args.replay:
+            cfg, specs = _replay_config(args)
+            workloads = [specs]
+        else:
+            num_requests = args.num_requests or (len(dataset) if dataset else 100)
+            cfg = build_config(args, num_requests)
+            workloads = [
+                build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed + r, dataset)
+                for r in range(cfg.repeats)
+            ]
     except (OSError, ValueError) as exc:
         print(f"carousel bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    num_requests = args.num_requests or (len(dataset) if dataset else 100)
-    try:
-        cfg = build_config(args, num_requests)
-    except ValueError as exc:
-        print(f"carousel bench: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    workloads = [
-        build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed + r, dataset)
-        for r in range(cfg.repeats)
-    ]
     specs = workloads[0]
     try:
         result = asyncio.run(run_bench(cfg, workloads))

@@ -100,6 +100,12 @@ def build_report(
         comparison = bench_comparison(result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed)
         for entry in comparison:
             entry["rate"] = json_rate(entry["rate"])
+    if cfg.replay:
+        notes.append(
+            "replay: a run's rate is the record's mean offered rate; requests went out at "
+            "their recorded offsets"
+        )
+        notes += [f"replay skipped {n} records: {why}" for why, n in cfg.replay["skipped"].items()]
     if len(cfg.arms) > 1 and not cfg.slo.active:
         notes.append("no goodput in the verdict: give --slo ttft=...,tpot=... to compare it")
     if result.interrupted:
@@ -146,13 +152,13 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
     return {
         "url": cfg.url,
         "model": c.model,
-        "endpoint": c.endpoint,
+        "endpoint": ",".join(cfg.replay["endpoints"]) if cfg.replay else c.endpoint,
         "arms": [a for a in cfg.arms if a is not None],
         "num_requests": cfg.num_requests,
         "rates": [json_rate(r) for r in cfg.rates],
         "burstiness": cfg.burstiness,
-        "input_len": None if cfg.dataset else str(cfg.input_len),
-        "output_len": str(cfg.output_len),
+        "input_len": None if cfg.dataset or cfg.replay else str(cfg.input_len),
+        "output_len": None if cfg.replay else str(cfg.output_len),
         "dataset": cfg.dataset,
         "seed": cfg.seed,
         "max_concurrency": c.max_concurrency,
@@ -318,6 +324,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         if cfg["dataset"]
         else f"input `{cfg['input_len']}`, output `{cfg['output_len']}`"
     )
+    replay = cfg.get("replay")
+    if replay:
+        files = ", ".join(f"`{f}`" for f in replay["files"])
+        workload = (
+            f"replay of {files} at time scale {replay['time_scale']:g} "
+            f"({replay['span_s']:.1f} s; {replay['redacted']} redacted, "
+            f"{replay['pinned']} pinned to their recorded output length)"
+        )
     slo = f"TTFT <= {_fmt(cfg['slo_ttft_ms'])} ms, TPOT <= {_fmt(cfg['slo_tpot_ms'])} ms"
     lines = [
         f"# carousel bench: `{cfg['model']}`",
