@@ -38,12 +38,15 @@ DESCRIPTION = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `bench` subcommand to the gateway CLI; it sets `func=run`."""
+    """Add the `bench` subcommand (`func=run`) and `ab report` (bench/ab.py) to the gateway CLI."""
     parser = subparsers.add_parser(
         "bench", help="benchmark an endpoint and compare arms", description=DESCRIPTION
     )
     add_arguments(parser)
     parser.set_defaults(func=run)
+    from bench import ab
+
+    ab.register(subparsers)
 
 
 def _arg_type(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
@@ -182,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="FILE",
         default=None,
-        help="send the requests of a traffic record (carousel serve --record-traffic) at "
+        help="send the requests of a traffic record (gateway/traffic_record.py) at "
         "their recorded arrival times, with their own endpoints and parameters; "
         "replaces the synthetic workload",
     )

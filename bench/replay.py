@@ -52,12 +52,14 @@ TEMPLATE_TOKENS_PER_MESSAGE = 4
 class Recorded:
     """One line of a traffic record."""
 
-    arrival: float
+    arrival: float  # seconds, for ordering and gaps (`t`, or `ts` across sessions)
     endpoint: Endpoint
     body: dict[str, Any]
     arm: str | None
     redacted: bool
     outcome: dict[str, Any]
+    wall_time: float = 0.0  # `ts`: Unix time of the arrival
+    model: str | None = None  # the served model
 
 
 @dataclass
@@ -113,6 +115,8 @@ def load_records(paths: list[str | Path]) -> tuple[list[Recorded], Counter[str]]
                 arm=obj.get("arm"),
                 redacted=bool(obj.get("redacted")),
                 outcome=obj.get("outcome") or {},
+                wall_time=ts,
+                model=obj.get("model"),
             )
         )
     return records, skipped

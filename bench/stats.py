@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats
 
 #: a weight-matrix block stays under this many cells (memory for pooled per-token gaps)
 MAX_BLOCK_CELLS = 4_000_000
@@ -121,6 +120,8 @@ def expanded_tail(level: float, num_units: int | None) -> float:
     tail = (1 - level) / 2
     if num_units is None or num_units < 2:
         return tail
+    from scipy import stats  # NOTE: lazily: `carousel serve` builds this CLI too
+
     z = np.sqrt(num_units / (num_units - 1)) * stats.t.ppf(1 - tail, num_units - 1)
     return float(stats.norm.sf(z))
 
@@ -178,3 +179,18 @@ def resample_histogram(
     if total == 0:
         return np.zeros((num_resamples, counts.size), dtype=np.int64)
     return rng.multinomial(total, counts / total, size=num_resamples)
+
+
+def histogram_share_below(upper_bounds: np.ndarray, counts: np.ndarray, x: float) -> np.ndarray:
+    """The share of observations <= x over the last axis, linear inside x's bucket.
+
+    Nothing of the +Inf bucket counts as below x. NaN where the count is zero.
+    """
+    counts = np.asarray(counts, dtype=float)
+    bounds = np.asarray(upper_bounds, dtype=float)
+    lower = np.concatenate([[0.0], bounds[:-1]])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(np.isinf(bounds), 0.0, np.clip((x - lower) / (bounds - lower), 0.0, 1.0))
+    total = counts.sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, (counts @ frac) / total, np.nan)
