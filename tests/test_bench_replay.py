@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -77,7 +78,7 @@ def test_records_replay_in_arrival_order_with_their_own_parameters(tmp_path: Pat
     assert build_body(cfg, second)["seed"] == 4 and second.endpoint == "completions"
     assert third.body is not None and "previous_response_id" not in third.body
     assert "stream_options" not in build_body(cfg, third)  # Responses: usage comes at the end
-    assert workload.offered_rate == 2 / 0.7
+    assert workload.offered_rate == pytest.approx(2 / 0.7, rel=1e-3)
 
 
 def test_redacted_records_get_synthetic_text_of_the_recorded_length(tmp_path: Path) -> None:
