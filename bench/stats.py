@@ -28,6 +28,9 @@ import numpy as np
 
 #: a weight-matrix block stays under this many cells (memory for pooled per-token gaps)
 MAX_BLOCK_CELLS = 4_000_000
+#: above this many values a quantile is searched block by block (`_blocked_quantile`)
+DIRECT_MAX_VALUES = 20_000
+NUM_BLOCKS = 256
 
 
 def resample_weights(
@@ -77,6 +80,8 @@ def weighted_quantile(
     num_rows = weights.shape[0]
     if sorted_values.size == 0:
         return np.full(num_rows, np.nan)
+    if sorted_values.size > DIRECT_MAX_VALUES:
+        return _blocked_quantile(sorted_values, sorted_cols, weights, q)
     out = np.empty(num_rows)
     block = max(1, MAX_BLOCK_CELLS // sorted_values.size)
     for start in range(0, num_rows, block):
@@ -88,7 +93,7 @@ def weighted_quantile(
 def _sorted_weighted_quantile(v: np.ndarray, w: np.ndarray, q: float) -> np.ndarray:
     rows, m = w.shape
     cum = np.cumsum(w, axis=1)  # (rows, m), integers
-    total = cum[:, -1]
+    total = cum[:, -1].copy()  # NOTE: a copy: `cum` is shifted in place below
     h = np.maximum(total - 1, 0) * q
     k = np.floor(h).astype(np.int64)
     frac = h - k
@@ -103,6 +108,48 @@ def _sorted_weighted_quantile(v: np.ndarray, w: np.ndarray, q: float) -> np.ndar
     result = v[lo] + frac * (v[hi] - v[lo])
     result[total <= 0] = np.nan
     return result
+
+
+def _blocked_quantile(v: np.ndarray, cols: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
+    """The direct path's answer for many values (per-token gaps): each block of the sorted
+    values gets its total weight per row from one matrix product, and only the block that holds
+    a row's rank is searched value by value."""
+    m, k = v.size, weights.shape[1]
+    num_blocks = min(NUM_BLOCKS, m)
+    edges = np.linspace(0, m, num_blocks + 1).astype(np.int64)
+    block_of = np.repeat(np.arange(num_blocks), np.diff(edges))
+    counts = np.bincount(cols * num_blocks + block_of, minlength=k * num_blocks)
+    # NOTE: in float64 (exact for these integer counts) so the product runs on BLAS
+    per_block = weights.astype(np.float64) @ counts.reshape(k, num_blocks).astype(np.float64)
+    cum_blocks = np.rint(np.cumsum(per_block, axis=1)).astype(np.int64)  # (rows, blocks)
+    total = cum_blocks[:, -1]
+    h = np.maximum(total - 1, 0) * q
+    j = np.floor(h).astype(np.int64)
+    frac = h - j
+    lo = _position(cols, weights, edges, cum_blocks, j)
+    hi = _position(cols, weights, edges, cum_blocks, np.minimum(j + 1, np.maximum(total - 1, 0)))
+    result = v[lo] + frac * (v[hi] - v[lo])
+    result[total <= 0] = np.nan
+    return result
+
+
+def _position(
+    cols: np.ndarray, weights: np.ndarray, edges: np.ndarray, cum_blocks: np.ndarray, j: np.ndarray
+) -> np.ndarray:
+    """Per row, the sorted position of the repeated sample's element j."""
+    num_blocks = edges.size - 1
+    block = np.minimum((cum_blocks <= j[:, None]).sum(axis=1), num_blocks - 1)
+    rows = np.arange(j.size)
+    before = np.where(block > 0, cum_blocks[rows, np.maximum(block - 1, 0)], 0)
+    local = j - before
+    out = np.empty(j.size, dtype=np.int64)
+    for b in np.unique(block):
+        members = np.flatnonzero(block == b)
+        start, end = edges[b], edges[b + 1]
+        cum = np.cumsum(weights[members][:, cols[start:end]], axis=1)  # (members, block size)
+        found = (cum <= local[members][:, None]).sum(axis=1)
+        out[members] = start + np.minimum(found, end - start - 1)
+    return out
 
 
 def weighted_mean(values: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from bench import stats
 from bench.client import RequestResult
 from bench.metrics import Slo
 from bench.stats import (
@@ -40,6 +41,27 @@ def test_weighted_quantile_equals_numpy_on_the_repeated_sample() -> None:
         weighted_mean(values, weights),
         [np.repeat(values[kept], row[kept]).mean() for row in weights],
     )
+
+
+def test_many_values_are_searched_block_by_block_with_the_same_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(3)
+    gaps = np.round(rng.lognormal(0, 1, 150 * 80), 1)  # ties, and per-request columns
+    gaps[[5, 500]] = np.nan
+    owner = np.repeat(np.arange(150), 80)
+    weights = resample_weights(rng, [150], 60)[0]
+    weights[:3] = 0  # rows with nothing drawn
+    for q in (0.0, 0.5, 0.99, 1.0):
+        monkeypatch.setattr(stats, "DIRECT_MAX_VALUES", 10**9)
+        direct = weighted_quantile(gaps, weights, q, columns=owner)
+        monkeypatch.setattr(stats, "DIRECT_MAX_VALUES", 100)
+        blocked = weighted_quantile(gaps, weights, q, columns=owner)
+        np.testing.assert_array_equal(direct, blocked)
+        assert np.isnan(direct[:3]).all() and not np.isnan(direct[3:]).any()
+    kept = ~np.isnan(gaps)
+    row = weights[7][owner][kept]
+    assert direct[7] == np.quantile(np.repeat(gaps[kept], row), 1.0)
 
 
 def test_one_run_rows_draw_n_requests_and_runs_are_drawn_whole() -> None:
