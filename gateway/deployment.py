@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from gateway.context import RequestContext
 from gateway.endpoint import Endpoint, Reply
 from gateway.errors import invalid, model_not_found, unavailable
-from gateway.metrics import ArmGauges, GatewayMetrics
+from gateway.metrics import ArmGauges, ArmInfo, GatewayMetrics
 from gateway.routing import ARM_HEADER, choose_by_weight, draw_point
 from gateway.shadow import ShadowCopy, ShadowMirror
 
@@ -76,6 +76,10 @@ class Arm(abc.ABC):
     def gauges(self, model: str) -> ArmGauges | None:
         """Engine occupancy for /metrics (None for arms without a local engine)."""
         return None
+
+    @abc.abstractmethod
+    def info(self, model: str) -> ArmInfo:
+        """What the arm is and which device group it computes on (`carousel_arm_info`)."""
 
 
 @dataclass
@@ -180,3 +184,6 @@ class Deployments:
 
     def gauges(self) -> list[ArmGauges]:
         return [g for d, a in self.arms() if (g := a.gauges(d.name)) is not None]
+
+    def infos(self) -> list[ArmInfo]:
+        return [a.info(d.name) for d, a in self.arms()]

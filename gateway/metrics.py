@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -100,6 +100,22 @@ class _ArmInfoCollector(Collector):
         yield family
 
 
+class _TrafficRecordCollector(Collector):
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        written, dropped = self._counts()
+        yield CounterMetricFamily(
+            "carousel_traffic_record_written", "Requests written to the traffic record", written
+        )
+        yield CounterMetricFamily(
+            "carousel_traffic_record_dropped",
+            "Requests the traffic record lost (queue full or write failed)",
+            dropped,
+        )
+
+
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -169,6 +185,10 @@ class GatewayMetrics:
             self.registry.register(_ArmCollector(arm_gauges))
         if arm_info is not None:  # not wired: no carousel_arm_info series at all
             self.registry.register(_ArmInfoCollector(arm_info))
+
+    def watch_traffic_record(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Export the traffic record's (written, dropped) line counts, read at scrape time."""
+        self.registry.register(_TrafficRecordCollector(counts))
 
     def observe_request(self, ctx: RequestContext, status: int, total_s: float) -> None:
         labels = (ctx.model or "", ctx.arm or "")

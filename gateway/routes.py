@@ -69,6 +69,8 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         is_disconnected=request.is_disconnected,
         metrics=state.metrics,
         log_prompts=state.settings.log_prompts,
+        recorder=state.recorder,
+        path=endpoint.path,
     )
     try:
         body = await read_json(request)

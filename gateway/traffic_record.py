@@ -47,11 +47,6 @@ import structlog
 log = structlog.get_logger("carousel.traffic_record")
 
 FORMAT_VERSION = 1
-ENDPOINT_PATHS = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "responses": "/v1/responses",
-}
 #: top-level body fields kept verbatim by redaction
 PARAMETERS = frozenset(
     {
@@ -82,9 +77,8 @@ class TrafficEntry:
     """One finished request, as the request path hands it to `TrafficRecorder.record`.
 
     `arrival` is `time.monotonic()` when the request arrived (`RequestContext.start`);
-    `endpoint` a path (`/v1/chat/completions`) or a metrics label (`chat`, `completions`,
-    `responses`). NOTE: `body` is serialised later, on the writer thread: do not mutate it
-    after `record()`.
+    `endpoint` its path (`/v1/chat/completions`). NOTE: `body` is serialised later, on the
+    writer thread: do not mutate it after `record()`.
     """
 
     arrival: float
@@ -218,7 +212,7 @@ class TrafficRecorder:
             "t": round(t, 6),
             "ts": round(self._wall0 + t, 6),
             "request_id": entry.request_id,
-            "endpoint": ENDPOINT_PATHS.get(entry.endpoint, entry.endpoint),
+            "endpoint": entry.endpoint,
             "model": entry.model,
             "arm": entry.arm,
             "redacted": self.redact,

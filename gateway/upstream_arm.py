@@ -23,6 +23,7 @@ from gateway.context import RequestContext
 from gateway.deployment import Arm, Reply
 from gateway.endpoint import Endpoint
 from gateway.errors import APIError
+from gateway.metrics import ArmInfo, upstream_device_group
 from gateway.streaming import PayloadStream
 
 
@@ -49,6 +50,10 @@ class UpstreamArm(Arm):
     async def stop(self) -> None:
         if self._client is not None:
             await self._client.close()
+
+    def info(self, model: str) -> ArmInfo:
+        urls = ",".join(sorted(url.rstrip("/") for url in self.config.base_urls))
+        return ArmInfo(model, self.name, self.kind, upstream_device_group(urls))
 
     @property
     def unavailable_reason(self) -> str | None:

@@ -171,8 +171,8 @@ def test_live_report_from_the_servers_histograms(
     assert code == 0, out
     assert "since the server started" in out and "orca against static:" in out
     assert "p50 e2e" in out and "p99 TTFT" in out
-    # no carousel_arm_info wired yet: both are local arms of one process, so one device
-    assert "possibly confounded: static and orca share one device (the server's process" in out
+    # carousel_arm_info names one device group: both are local arms of one process
+    assert "possibly confounded: static and orca share one device (local:" in out
     assert "TPOT" in out  # says what /metrics cannot compare
 
 

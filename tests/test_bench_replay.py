@@ -31,6 +31,9 @@ from gateway.traffic_record import TrafficEntry, TrafficRecorder
 from tests.conftest import SIM_MODEL, LiveServer
 
 TOLERANCE_S = 0.05
+#: what the gateway writes as a record's endpoint: its path
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+         "responses": "/v1/responses"}  # fmt: skip
 OFFSETS = [0.0, 0.05, 0.3, 0.32, 0.6, 0.9, 0.95, 1.3]
 
 
@@ -41,7 +44,7 @@ def record_file(path: Path, bodies: list[tuple[str, dict[str, Any]]], **kw: Any)
     for (endpoint, body), offset in zip(bodies, OFFSETS, strict=False):
         tokens = body.get("max_tokens") or body.get("max_output_tokens") or 4
         recorder.record(
-            TrafficEntry(t0 + offset, endpoint, body, "orca", status=200,
+            TrafficEntry(t0 + offset, PATHS[endpoint], body, "orca", status=200,
                          prompt_tokens=60, completion_tokens=tokens, ttft_s=0.01, e2e_s=0.1)
         )  # fmt: skip
     recorder.close()
@@ -57,8 +60,8 @@ def test_records_replay_in_arrival_order_with_their_own_parameters(tmp_path: Pat
     later = {"model": "m", "prompt": "once", "max_tokens": 3, "seed": 4}
     resp = {"model": "m", "input": "hey", "max_output_tokens": 6, "previous_response_id": "r1"}
     # written in finishing order, not arrival order
-    recorder.record(TrafficEntry(t0 + 1.0, "completions", later, "a", completion_tokens=3))
-    recorder.record(TrafficEntry(t0 + 0.2, "chat", chat, "b", completion_tokens=5))
+    recorder.record(TrafficEntry(t0 + 1.0, "/v1/completions", later, "a", completion_tokens=3))
+    recorder.record(TrafficEntry(t0 + 0.2, "/v1/chat/completions", chat, "b", completion_tokens=5))
     recorder.record(TrafficEntry(t0 + 1.6, "/v1/responses", resp, "a", completion_tokens=6))
     recorder.record(TrafficEntry(t0 + 2.0, "/v1/embeddings", {"input": "x"}, "a"))
     recorder.close()
@@ -86,9 +89,12 @@ def test_redacted_records_get_synthetic_text_of_the_recorded_length(tmp_path: Pa
     body = {"model": "m", "max_tokens": 50, "stop": ["\n"], "messages": messages}
     path = tmp_path / "t.jsonl"
     recorder = TrafficRecorder(path, redact=True)
-    recorder.record(TrafficEntry(time.monotonic(), "chat", body, "a", prompt_tokens=128,
+    chat = "/v1/chat/completions"
+    recorder.record(TrafficEntry(time.monotonic(), chat, body, "a", prompt_tokens=128,
                                  completion_tokens=17))  # fmt: skip
-    recorder.record(TrafficEntry(time.monotonic(), "completions", {"prompt": [5, 6, 7, 8]}, "a"))
+    recorder.record(
+        TrafficEntry(time.monotonic(), "/v1/completions", {"prompt": [5, 6, 7, 8]}, "a")
+    )
     recorder.close()
     assert "uuu" not in path.read_text()
     records, _ = load_records([path])

@@ -53,7 +53,7 @@ def chat_body() -> dict[str, Any]:
 def entry(body: dict[str, Any], arrival: float | None = None, **outcome: Any) -> TrafficEntry:
     return TrafficEntry(
         arrival=time.monotonic() if arrival is None else arrival,
-        endpoint="chat",
+        endpoint="/v1/chat/completions",
         body=body,
         arm="orca",
         model="m",
