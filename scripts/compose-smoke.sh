@@ -163,16 +163,21 @@ podman_conf() {  # $1: an image to probe with
 UP=0
 project_ids() {  # $1: ps | pod | network | volume
   local label="label=com.docker.compose.project=$PROJECT"
-  case "$1" in
-    ps) $ENGINE ps -a -q --filter "$label" 2>/dev/null
-        [ "$ENGINE" = podman ] && $ENGINE ps -a -q --filter "label=io.podman.compose.project=$PROJECT" 2>/dev/null ;;
-    pod) [ "$ENGINE" = podman ] && $ENGINE pod ps -q --filter "name=^pod_${PROJECT}\$" 2>/dev/null ;;
-    network) $ENGINE network ls -q --filter "name=^${PROJECT}_" 2>/dev/null ;;
-    volume) $ENGINE volume ls -q --filter "name=^${PROJECT}_" 2>/dev/null ;;
-  esac | sort -u
+  {
+    case "$1" in
+      ps) $ENGINE ps -a -q --filter "$label"
+          if [ "$ENGINE" = podman ]; then
+            $ENGINE ps -a -q --filter "label=io.podman.compose.project=$PROJECT"
+          fi ;;
+      pod) if [ "$ENGINE" = podman ]; then $ENGINE pod ps -q --filter "name=^pod_${PROJECT}\$"; fi ;;
+      network) $ENGINE network ls -q --filter "name=^${PROJECT}_" ;;
+      volume) $ENGINE volume ls -q --filter "name=^${PROJECT}_" ;;
+    esac
+  } 2>/dev/null | sort -u || true
 }
 teardown() {
   local rc=$? ids left=""
+  set +e  # NOTE: teardown goes on through every step, whatever one of them says
   trap - EXIT INT TERM
   if [ "$UP" = 1 ]; then
     for svc in engine-orca engine-static gateway prometheus; do
