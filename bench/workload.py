@@ -164,13 +164,18 @@ def synthetic_prompt(rng: np.random.Generator, num_tokens: int) -> str:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request of the workload: a prompt (or chat messages) and its output length."""
+    """One request of the workload: a prompt (or chat messages) and its output length.
+
+    A replayed request (bench/replay.py) carries its whole `body` and its `endpoint` instead.
+    """
 
     index: int
     max_tokens: int
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     target_input_len: int | None = None
+    body: dict[str, Any] | None = None
+    endpoint: Literal["chat", "completions", "responses"] | None = None
 
     def as_messages(self) -> list[dict[str, Any]]:
         """The chat form: the dataset's messages, or the prompt as one user message."""

@@ -45,6 +45,7 @@ from gateway.middleware import (
 )
 from gateway.routes import router
 from gateway.settings import Settings
+from gateway.traffic_record import TrafficRecorder
 
 log = structlog.get_logger("carousel.gateway")
 
@@ -58,6 +59,8 @@ class GatewayState:
     metrics: GatewayMetrics
     on_fatal: Callable[[], None] | None = None
     load_failed: bool = False
+    #: the traffic record (`--record-traffic`), None when off
+    recorder: TrafficRecorder | None = None
     admission: Admission = field(default_factory=Admission)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -65,6 +68,9 @@ class GatewayState:
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():
             arm.bind_metrics(self.metrics, deployment.name)
+        for deployment in self.deployments:
+            for mirror in deployment.mirrors:
+                mirror.start(self.metrics)
         self._start_task = asyncio.create_task(self._start_arms())
 
     async def _start_arms(self) -> None:
@@ -98,8 +104,13 @@ class GatewayState:
             self._start_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._start_task
+        for deployment in self.deployments:
+            for mirror in deployment.mirrors:
+                await mirror.stop()
         for _, arm in self.deployments.arms():
             await arm.stop()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
 
     async def drain(self, timeout_s: float, grace_s: float = 2.0) -> None:
         """Refuse new requests (503), give those in flight `timeout_s` to finish, then stop
@@ -147,7 +158,11 @@ def create_app(
     settings = settings or Settings.load()
     served = Deployments(deployments or [deployment_from_settings(settings)])
     app = FastAPI(title="Carousel", version=carousel_version(), lifespan=_lifespan)
-    state = GatewayState(settings, served, GatewayMetrics(served.gauges))
+    metrics = GatewayMetrics(served.gauges, served.infos)
+    state = GatewayState(settings, served, metrics, recorder=traffic_recorder(settings))
+    if state.recorder is not None:
+        recorder = state.recorder
+        metrics.watch_traffic_record(lambda: (recorder.written, recorder.dropped))
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
@@ -168,6 +183,17 @@ def create_app(
     )
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def traffic_recorder(settings: Settings) -> TrafficRecorder | None:
+    """The traffic record `--record-traffic` asks for (None when off)."""
+    if settings.record_traffic is None:
+        return None
+    return TrafficRecorder(
+        settings.record_traffic,
+        redact=settings.record_redact,
+        max_bytes=settings.record_max_bytes,
+    )
 
 
 class GatewayServer(uvicorn.Server):

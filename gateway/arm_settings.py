@@ -16,6 +16,12 @@ arms:
     upstream:
       base_urls: ["http://10.0.0.5:8000/v1"]
       model: meta-llama/Llama-3.1-8B-Instruct
+  - name: candidate       # a shadow: a copy of every accepted request, answers discarded
+    shadow: true
+    shadow_fraction: 0.5
+    upstream:
+      base_urls: ["http://10.0.0.6:8000/v1"]
+      model: smollm2-135m-instruct
 ```
 
 A local arm may set any setting of the cache, scheduler and engine groups, `backend`, and
@@ -37,9 +43,18 @@ from gateway.policy_options import (
     split_policy_options,
 )
 from gateway.setting_groups import GROUPS, per_arm_names, unknown_keys_message
+from gateway.shadow import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE
 
 ARM_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-_ARM_OWN_KEYS = ("name", "weight", "upstream")
+_ARM_OWN_KEYS = (
+    "name",
+    "weight",
+    "upstream",
+    "shadow",
+    "shadow_fraction",
+    "shadow_queue_size",
+    "shadow_concurrency",
+)
 
 
 class UpstreamSettings(BaseModel):
@@ -65,6 +80,15 @@ class ArmBase(BaseModel):
     name: str = Field(pattern=ARM_NAME_PATTERN)
     weight: float = Field(1.0, ge=0)
     upstream: UpstreamSettings | None = None
+    #: a shadow arm gets a copy of the primary arms' accepted requests; its answers are
+    #: discarded and its metrics recorded under its own name (gateway/shadow.py)
+    shadow: bool = False
+    #: the share of requests it gets a copy of
+    shadow_fraction: float = Field(1.0, ge=0, le=1)
+    #: copies waiting for it beyond this many are dropped (and counted)
+    shadow_queue_size: int = Field(DEFAULT_QUEUE_SIZE, ge=1)
+    #: copies it serves at once
+    shadow_concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1)
     #: the policies' own knobs this arm sets (flat keys such as `batch_wait_ms` land here)
     scheduler_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -148,6 +172,6 @@ def check_arms(arms: list[ArmBase]) -> list[ArmBase]:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"arm names must be unique; repeated: {duplicates}")
-    if not any(a.weight > 0 for a in arms):
-        raise ValueError("at least one arm needs a positive weight")
+    if not any(a.weight > 0 and not a.shadow for a in arms):
+        raise ValueError("at least one arm that is not a shadow needs a positive weight")
     return arms

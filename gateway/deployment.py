@@ -21,8 +21,9 @@ from pydantic import BaseModel
 from gateway.context import RequestContext
 from gateway.endpoint import Endpoint, Reply
 from gateway.errors import invalid, model_not_found, unavailable
-from gateway.metrics import ArmGauges, GatewayMetrics
+from gateway.metrics import ArmGauges, ArmInfo, GatewayMetrics
 from gateway.routing import ARM_HEADER, choose_by_weight, draw_point
+from gateway.shadow import ShadowCopy, ShadowMirror
 
 __all__ = ["Arm", "Deployment", "Deployments", "Reply"]
 
@@ -34,6 +35,10 @@ class Arm(abc.ABC):
     kind: str
     #: share of the deployment's traffic (relative to the other arms' weights)
     weight: float = 1.0
+    #: a shadow arm gets no traffic of its own, only copies of accepted requests
+    shadow: bool = False
+    #: the share of requests a shadow arm is sent a copy of
+    shadow_fraction: float = 1.0
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -72,14 +77,32 @@ class Arm(abc.ABC):
         """Engine occupancy for /metrics (None for arms without a local engine)."""
         return None
 
+    @abc.abstractmethod
+    def info(self, model: str) -> ArmInfo:
+        """What the arm is and which device group it computes on (`carousel_arm_info`)."""
+
 
 @dataclass
 class Deployment:
-    """A model name clients ask for and the arms that serve it."""
+    """A model name clients ask for and the arms that serve it (shadows included)."""
 
     name: str
     arms: list[Arm]
     created: int = field(default_factory=lambda: int(time.time()))
+    mirrors: list[ShadowMirror] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mirrors = [ShadowMirror(a, a.shadow_fraction) for a in self.arms if a.shadow]
+
+    @property
+    def primaries(self) -> list[Arm]:
+        """The arms that take traffic of their own."""
+        return [a for a in self.arms if not a.shadow]
+
+    def mirror(self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext) -> None:
+        """Offer a copy of an accepted request to every shadow arm (never waits)."""
+        for mirror in self.mirrors:
+            mirror.offer(ShadowCopy(endpoint, body, ctx.request_id, self.name))
 
     def pick(
         self,
@@ -93,10 +116,10 @@ class Deployment:
             arm = self.arm(requested)
             self._check_available(arm, retry_after_s)
         else:
-            ready = [a for a in self.arms if a.unavailable_reason is None]
+            ready = [a for a in self.primaries if a.unavailable_reason is None]
             chosen = choose_by_weight(ready, draw_point(user))
             if chosen is None:  # nothing ready: report why the first weighted arm is not
-                weighted = [a for a in self.arms if a.weight > 0] or self.arms
+                weighted = [a for a in self.primaries if a.weight > 0] or self.primaries
                 self._check_available(weighted[0], retry_after_s)
                 raise unavailable(f"No arm of `{self.name}` can serve now", retry_after_s)
             arm = chosen
@@ -148,8 +171,12 @@ class Deployments:
                 yield deployment, arm
 
     def unavailable_reason(self) -> tuple[str, bool] | None:
-        """(reason, is_loading) of the first arm that cannot serve; None when all can."""
+        """(reason, is_loading) of the first primary arm that cannot serve; None when all can.
+
+        NOTE: a shadow arm's state never makes the deployment unready."""
         for deployment, arm in self.arms():
+            if arm.shadow:
+                continue
             reason = arm.unavailable_reason
             if reason is not None:
                 return f"{deployment.name}/{arm.name}: {reason}", arm.is_loading
@@ -157,3 +184,6 @@ class Deployments:
 
     def gauges(self) -> list[ArmGauges]:
         return [g for d, a in self.arms() if (g := a.gauges(d.name)) is not None]
+
+    def infos(self) -> list[ArmInfo]:
+        return [a.info(d.name) for d, a in self.arms()]

@@ -53,9 +53,16 @@ def deployment_from_settings(settings: Settings) -> Deployment:
             settings.model_name, [local_arm(settings, settings.scheduler, 1.0, weights)]
         )
     arms: list[Arm] = []
-    for arm in settings.arms:
-        if arm.upstream is not None:
-            arms.append(upstream_arm(arm))
+    for spec in settings.arms:
+        if spec.upstream is not None:
+            arm: Arm = upstream_arm(spec)
         else:
-            arms.append(local_arm(arm_settings(settings, arm), arm.name, arm.weight, weights))
-    return Deployment(settings.model_name, arms)
+            arm = local_arm(arm_settings(settings, spec), spec.name, spec.weight, weights)
+        arm.shadow, arm.shadow_fraction = spec.shadow, spec.shadow_fraction
+        arms.append(arm)
+    deployment = Deployment(settings.model_name, arms)
+    specs = {spec.name: spec for spec in settings.arms}
+    for mirror in deployment.mirrors:
+        spec = specs[mirror.arm.name]
+        mirror.queue_size, mirror.concurrency = spec.shadow_queue_size, spec.shadow_concurrency
+    return deployment

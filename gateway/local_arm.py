@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from gateway.context import RequestContext
 from gateway.deployment import Arm, Reply
 from gateway.endpoint import Endpoint
-from gateway.metrics import ArmGauges, GatewayMetrics
+from gateway.metrics import ArmGauges, ArmInfo, GatewayMetrics, local_device_group
 from gateway.serving_common import EngineRuntime, ServingOptions
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
@@ -143,6 +143,9 @@ class LocalArm(Arm):
             "max_num_seqs": engine.config.max_num_seqs,
             "iterations": [dataclasses.asdict(r) for r in list(engine.trace)],
         }
+
+    def info(self, model: str) -> ArmInfo:
+        return ArmInfo(model, self.name, self.kind, local_device_group())
 
     def gauges(self, model: str) -> ArmGauges | None:
         if self._runtime is None:

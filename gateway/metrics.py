@@ -7,12 +7,14 @@ served `model` and the `arm` that served it.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -58,6 +60,62 @@ class _ArmCollector(Collector):
         yield from families.values()
 
 
+@dataclass(frozen=True)
+class ArmInfo:
+    """What an arm is and which device it computes on, exported as `carousel_arm_info` = 1.
+
+    `kind` is "local" or "upstream"; arms with one `device_group` compete for one device
+    (`carousel ab report` calls a live comparison of such arms confounded when both were busy
+    at once). Use `local_device_group()` for local arms, `upstream_device_group(url)` for
+    upstream ones.
+    """
+
+    model: str
+    arm: str
+    kind: str
+    device_group: str
+
+
+def local_device_group() -> str:
+    """The group of every local arm of this process: they share its one device thread."""
+    return f"local:{socket.gethostname()}:{os.getpid()}"
+
+
+def upstream_device_group(base_url: str) -> str:
+    return f"upstream:{base_url.rstrip('/')}"
+
+
+class _ArmInfoCollector(Collector):
+    def __init__(self, read: Callable[[], Iterable[ArmInfo]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "carousel_arm_info",
+            "Each arm's kind and device group (1 per arm)",
+            labels=["model", "arm", "kind", "device_group"],
+        )
+        for info in self._read():
+            family.add_metric([info.model, info.arm, info.kind, info.device_group], 1.0)
+        yield family
+
+
+class _TrafficRecordCollector(Collector):
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        written, dropped = self._counts()
+        yield CounterMetricFamily(
+            "carousel_traffic_record_written", "Requests written to the traffic record", written
+        )
+        yield CounterMetricFamily(
+            "carousel_traffic_record_dropped",
+            "Requests the traffic record lost (queue full or write failed)",
+            dropped,
+        )
+
+
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -67,7 +125,11 @@ class GatewayMetrics:
     """Request-level series the gateway updates once per request, and engine-level series
     each local arm's engine feeds every iteration (`watch_engine`)."""
 
-    def __init__(self, arm_gauges: Callable[[], Iterable[ArmGauges]] | None = None) -> None:
+    def __init__(
+        self,
+        arm_gauges: Callable[[], Iterable[ArmGauges]] | None = None,
+        arm_info: Callable[[], Iterable[ArmInfo]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model", "arm"]
 
@@ -115,8 +177,18 @@ class GatewayMetrics:
             "carousel_iteration_tokens", "Tokens computed in one engine iteration", _TOKEN_BUCKETS
         )
         self.iterations = counter("carousel_iterations", "Engine iterations run")
+        self.shadow_dropped = counter(
+            "carousel_shadow_requests_dropped",
+            "Copies for a shadow arm dropped because its queue was full",
+        )
         if arm_gauges is not None:
             self.registry.register(_ArmCollector(arm_gauges))
+        if arm_info is not None:  # not wired: no carousel_arm_info series at all
+            self.registry.register(_ArmInfoCollector(arm_info))
+
+    def watch_traffic_record(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Export the traffic record's (written, dropped) line counts, read at scrape time."""
+        self.registry.register(_TrafficRecordCollector(counts))
 
     def observe_request(self, ctx: RequestContext, status: int, total_s: float) -> None:
         labels = (ctx.model or "", ctx.arm or "")

@@ -90,6 +90,8 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
+    #: lower runs first under the `priority` policy (vLLM's field); other policies ignore it
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
     @property
     def include_usage(self) -> bool:

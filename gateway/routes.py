@@ -69,6 +69,8 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         is_disconnected=request.is_disconnected,
         metrics=state.metrics,
         log_prompts=state.settings.log_prompts,
+        recorder=state.recorder,
+        path=endpoint.path,
     )
     try:
         body = await read_json(request)
@@ -77,7 +79,10 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         deployment = state.deployments.get(parsed.model)
         requested = request.headers.get(ARM_HEADER)
         arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
+        if deployment.mirrors and not arm.shadow:
+            ctx.on_accepted = lambda: deployment.mirror(endpoint, body, ctx)
         reply = await arm.serve(endpoint, parsed, ctx)
+        ctx.accept()
     except APIError as exc:
         ctx.finish(exc.status_code, exc.message)
         if ctx.arm is not None:

@@ -255,6 +255,7 @@ def open_stream(
     prompts: list[list[int]],
     params: SamplingParams,
     param: str,
+    priority: int = 0,
 ) -> RequestStream:
     """Submit to the engine, mapping refusals to OpenAI errors (400, 429, 503)."""
     engine, options = runtime.engine, runtime.options
@@ -275,7 +276,7 @@ def open_stream(
             options.retry_after_s,
         )
     try:
-        return open_engine_stream(engine, ctx.engine_request_id, prompts, params)
+        return open_engine_stream(engine, ctx.engine_request_id, prompts, params, priority)
     except AdmissionError as exc:
         if exc.code == "context_length_exceeded":
             raise context_length_exceeded(str(exc), param) from None

@@ -129,6 +129,18 @@ class ServerSettings(BaseModel):
     log_level: str = Field("info", description="debug, info, warning, error")
     log_prompts: bool = Field(False, description="log prompt text (off by default)")
     log_json: bool = Field(True, description="JSON log lines (else human-readable)")
+    record_traffic: str | None = Field(
+        None,
+        description="append one JSONL line per request to this file, for `carousel bench "
+        "--replay` (off by default)",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    record_redact: bool = Field(
+        False, description="record lengths and parameters only, never the text"
+    )
+    record_max_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024, description="rotate the traffic record at this size"
+    )
 
 
 #: the groups, in --help order; their fields are the settings

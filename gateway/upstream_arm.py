@@ -23,6 +23,7 @@ from gateway.context import RequestContext
 from gateway.deployment import Arm, Reply
 from gateway.endpoint import Endpoint
 from gateway.errors import APIError
+from gateway.metrics import ArmInfo, upstream_device_group
 from gateway.streaming import PayloadStream
 
 
@@ -50,6 +51,10 @@ class UpstreamArm(Arm):
         if self._client is not None:
             await self._client.close()
 
+    def info(self, model: str) -> ArmInfo:
+        urls = ",".join(sorted(url.rstrip("/") for url in self.config.base_urls))
+        return ArmInfo(model, self.name, self.kind, upstream_device_group(urls))
+
     @property
     def unavailable_reason(self) -> str | None:
         return "the upstream client is starting" if self._client is None else None
@@ -74,6 +79,7 @@ class UpstreamArm(Arm):
                 _, reply = await self.client.complete(path, body, headers)
             except UpstreamError as exc:
                 raise api_error(exc) from None
+            ctx.accept()
             _account(ctx, reply)
             _relabel(reply, ctx.model)
             return reply
@@ -90,6 +96,7 @@ class UpstreamArm(Arm):
             raise api_error(exc) from None
         except StopAsyncIteration:
             first = b"data: [DONE]\n\n"
+        ctx.accept()
         payloads = _payloads(first, frames, ctx, wants_usage)
         return PayloadStream(payloads, on_close=lambda: None)
 

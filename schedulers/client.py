@@ -33,6 +33,7 @@ class RequestStream:
         request_id: str,
         prompts: Sequence[list[int]],
         params: SamplingParams,
+        priority: int = 0,
     ) -> None:
         self._engine = engine
         self._n = params.n
@@ -51,7 +52,7 @@ class RequestStream:
         try:
             for index, (engine_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
                 self._prompt_of[engine_id] = index
-                engine.submit(engine_id, prompt, params, self._sink)
+                engine.submit(engine_id, prompt, params, self._sink, priority=priority)
                 self._processors[engine_id] = OutputProcessor(tokenizer, prompt, params)
         except BaseException:
             self.close()  # abort the prompts already submitted
@@ -97,13 +98,17 @@ class RequestStream:
 
 
 def open_stream(
-    engine: Engine, request_id: str, prompts: Sequence[list[int]], params: SamplingParams
+    engine: Engine,
+    request_id: str,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    priority: int = 0,
 ) -> RequestStream:
     """Submit `prompts` now (raising AdmissionError / EngineDeadError at once); stream later.
 
     Must be called on the asyncio loop that will read the stream.
     """
-    return RequestStream(engine, request_id, prompts, params)
+    return RequestStream(engine, request_id, prompts, params, priority)
 
 
 async def generate(

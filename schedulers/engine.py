@@ -137,9 +137,12 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         sink: OutputSink,
+        *,
+        priority: int = 0,
     ) -> None:
         """Queue a request; `sink` is called on the engine thread with every output.
 
+        `priority` (lower runs first) is read by policies that order by it (`priority`).
         Raises AdmissionError at once when the request can never fit and EngineDeadError
         when the loop is not running.
         """
@@ -147,7 +150,7 @@ class Engine:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if not prompt_token_ids:
             raise AdmissionError("the prompt is empty", code="invalid_prompt")
-        seqs = self._make_seqs(request_id, prompt_token_ids, params)
+        seqs = self._make_seqs(request_id, prompt_token_ids, params, priority)
         self.scheduler.check_admissible(seqs[0])
         self._command("add", _Request(request_id, seqs, sink))
 
@@ -182,7 +185,7 @@ class Engine:
         self._wake.set()
 
     def _make_seqs(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
     ) -> list[Sequence]:
         seqs = []
         for index in range(params.n):
@@ -196,6 +199,7 @@ class Engine:
                     sampling_params=seq_params,
                     index=index,
                     eos_token_ids=self.backend.eos_token_ids,
+                    priority=priority,
                 )
             )
         return seqs

@@ -50,6 +50,8 @@ class Sequence:
     sampling_params: SamplingParams
     index: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    #: lower runs first, for the policies that read it (`priority`); others ignore it
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
