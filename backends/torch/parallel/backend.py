@@ -34,15 +34,10 @@ from backends.torch.loader import (
     is_hf_dir,
     resolve_model,
 )
-from backends.torch.parallel.group import (
-    DEFAULT_TIMEOUT_S,
-    Channel,
-    Kind,
-    TensorParallelGroup,
-    acquire_group,
-    release_group,
-)
+from backends.torch.parallel.channel import Channel, Kind
+from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
 from backends.torch.parallel.layers import parallelize
+from backends.torch.parallel.rendezvous import DEFAULT_TIMEOUT_S
 from backends.torch.parallel.shard import load_shard
 from backends.torch.parallel.sizes import ModelDims, ShardPlan, check_tensor_parallel_size
 from backends.torch.parallel.step import FlatStep

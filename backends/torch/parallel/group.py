@@ -7,10 +7,9 @@ multiprocessing (one node), or started elsewhere from the torchrun-style environ
 (`MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`; see docs/parallelism.md),
 which is how several nodes join. Each non-zero rank runs worker.py's loop.
 
-Control protocol (rank 0 -> all, over the control group): a fixed header `[kind, instance,
-N, B, W, R]` (step.py), then a kind-specific body: a STEP's flat int64 buffer, a LOAD's
-pickled spec. A HEARTBEAT (an all-reduce of one number) goes out whenever rank 0 has been
-quiet for `heartbeat_s`, so a worker never waits longer than that for a header while rank 0
+Rank 0 talks to the others over the control group (channel.py; rendezvous.py forms the
+group). A HEARTBEAT (an all-reduce of one number) goes out whenever rank 0 has been quiet
+for `heartbeat_s`, so a worker never waits longer than that for a header while rank 0
 lives, and rank 0 hears of a hung worker within `timeout_s` even with no traffic.
 
 Faults: a spawned rank that exits is seen at once (process sentinels); a collective that
@@ -31,143 +30,25 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from enum import IntEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from backends.torch.parallel.step import HEADER_LEN
+from backends.torch.parallel.channel import Channel, Kind
+from backends.torch.parallel.rendezvous import (
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    control_group,
+    environment_store,
+    from_environment,
+    join_group,
+    local_device,
+)
 from schedulers.backend import BackendDeadError
 
-DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_START_TIMEOUT_S = 300.0
 DEFAULT_HEARTBEAT_S = 1.0
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-
-
-class Kind(IntEnum):
-    """What a control header announces."""
-
-    STEP = 1
-    HEARTBEAT = 2
-    LOAD = 3
-    UNLOAD = 4
-    SHUTDOWN = 5
-    DESCRIBE = 6
-
-
-def dist_backend(device_type: str) -> str:
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
-def from_environment() -> bool:
-    """Whether the torchrun-style variables describe a group of more than one rank."""
-    return all(os.environ.get(k) for k in _ENV) and int(os.environ["WORLD_SIZE"]) > 1
-
-
-def local_device(device_type: str, local_rank: int) -> torch.device:
-    """A rank's device: `cuda:LOCAL_RANK` on CUDA (set as the current device), else cpu."""
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def control_group(device_type: str, timeout: datetime.timedelta) -> Any:
-    """The group control messages travel on: the world on CPU, a gloo side group on CUDA."""
-    return dist.new_group(backend="gloo", timeout=timeout) if device_type == "cuda" else None
-
-
-def environment_store(start_timeout_s: float) -> Any:
-    """The rendezvous store at MASTER_ADDR:MASTER_PORT (torchrun's own when it runs us)."""
-    rank = int(os.environ["RANK"])
-    # NOTE: under torchrun its agent already serves a store on MASTER_PORT; we join it
-    use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-        is_master=rank == 0 and not use_agent_store, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=start_timeout_s),
-    )  # fmt: skip
-
-
-def join_group(
-    store: Any,
-    rank: int,
-    world_size: int,
-    device_type: str,
-    timeout_s: float,
-    start_timeout_s: float,
-    failed: Callable[[], str | None] | None = None,
-) -> None:
-    """Wait (up to `start_timeout_s`) until every rank is up, then init the process group.
-
-    NOTE: the group's own timeout (`timeout_s`) bounds every later collective, so ranks
-    that take long to start (importing torch, on a busy machine) first meet in the store.
-    """
-    if device_type == "cuda":
-        # NOTE: on a timed-out or failed NCCL collective, abort the communicator and raise (2)
-        # rather than kill the process (torch's default): the server may hold other arms
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    prefix = f"carousel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store.set(f"{prefix}/ready/{rank}", device_type)
-    keys = [f"{prefix}/ready/{r}" for r in range(world_size)]
-    deadline = time.monotonic() + start_timeout_s
-    while not store.check(keys):
-        reason = failed() if failed is not None else None
-        if reason is not None:
-            raise RuntimeError(f"a tensor-parallel rank failed to start: {reason}")
-        if time.monotonic() > deadline:
-            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
-            raise TimeoutError(
-                f"tensor-parallel ranks {', '.join(missing)} did not join within "
-                f"{start_timeout_s:.0f} s"
-            )
-        time.sleep(0.05)
-    devices = [store.get(k).decode() for k in keys]
-    if len(set(devices)) > 1:
-        raise ValueError(f"the ranks disagree on the device type: {devices} (rank order)")
-    dist.init_process_group(
-        dist_backend(device_type),
-        store=dist.PrefixStore(f"{prefix}/group", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-
-
-class Channel:
-    """Rank 0's and the workers' side of the control protocol (same calls, same order)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def header(self, values: list[int] | None = None) -> list[int]:
-        """Rank 0 sends `values`; every other rank receives them."""
-        header = torch.zeros(HEADER_LEN, dtype=torch.long)
-        if values is not None:
-            header[: len(values)] = torch.tensor(values)
-        dist.broadcast(header, group_src=0, group=self.group)
-        return [int(v) for v in header.tolist()]
-
-    def buffer(self, buffer: torch.Tensor) -> torch.Tensor:
-        """Rank 0's int64 `buffer` on every rank (the others pass one of the right length)."""
-        dist.broadcast(buffer, group_src=0, group=self.group)
-        return buffer
-
-    def object(self, obj: Any = None) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, group_src=0, group=self.group)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def heartbeat(self) -> None:
-        dist.all_reduce(torch.ones(1), group=self.group)
 
 
 class TensorParallelGroup:

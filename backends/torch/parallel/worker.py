@@ -28,11 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.torch.parallel.group import (
+from backends.torch.parallel.channel import Channel, Kind
+from backends.torch.parallel.rendezvous import (
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    Channel,
-    Kind,
     control_group,
     environment_store,
     join_group,
