@@ -159,11 +159,12 @@ def allreduce_times(size: int, batches: list[int], iters: int = 200) -> dict[int
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tempfile.mktemp(suffix=".json")
     threads = max(1, (os.cpu_count() or 1) // size)
-    mp.start_processes(_allreduce_rank, (size, port, batches, iters, out, threads),
-                       nprocs=size, start_method="spawn")  # fmt: skip
-    return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "allreduce.json")
+        mp.start_processes(_allreduce_rank, (size, port, batches, iters, out, threads),
+                           nprocs=size, start_method="spawn")  # fmt: skip
+        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -199,9 +200,15 @@ def main() -> None:
         return child(args)
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    model_dir = args.model_dir or tempfile.mkdtemp(prefix="carousel-tp-bench-")
-    if not (Path(model_dir) / "config.json").exists():
-        save_model(Path(model_dir))
+    with tempfile.TemporaryDirectory(prefix="carousel-tp-bench-") as scratch:
+        model_dir = args.model_dir or scratch
+        if not (Path(model_dir) / "config.json").exists():
+            save_model(Path(model_dir))
+        report(args, sizes, batches, model_dir)
+
+
+def report(args: argparse.Namespace, sizes: list[int], batches: list[int], model_dir: str) -> None:
+    """Run part 1 (interleaved children) and part 2, printing the two tables."""
     medians: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for repeat in range(args.repeats):
         for batch in batches:
