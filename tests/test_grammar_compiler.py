@@ -121,6 +121,26 @@ def test_special_tokens_padding_ids_and_eos_are_never_allowed_inside_a_value(
     assert tokenizer.encode("a")[0] in inside_string
 
 
+def test_length_bounded_strings_never_contain_raw_control_characters(
+    compiler: GrammarCompiler, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """xgrammar's own rule for minLength/maxLength admits raw control bytes (invalid JSON);
+    the compiler rewrites it to an exact pattern."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "string", "minLength": 1, "maxLength": 5}
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(raw, '"a\x01"')  # the bug worked around
+    state = SequenceGrammar(compiled(compiler, GrammarSpec.json_schema(schema)))
+    assert state.accept(tokenizer.encode('"')[0])
+    control = {tokenizer.encode(chr(c))[0] for c in range(32)}
+    assert not allowed(state) & control
+    assert walk(state, tokenizer, 'héllo"') and state.is_completed  # 5 chars, 6 bytes
+    too_long = SequenceGrammar(compiled(compiler, GrammarSpec.json_schema(schema)))
+    assert not walk(too_long, tokenizer, '"abcdef"')
+
+
 def test_a_cached_grammar_is_returned_without_compiling_again(
     compiler: GrammarCompiler,
 ) -> None:
@@ -151,17 +171,19 @@ def test_the_cache_evicts_least_recently_used_grammars_to_stay_within_its_bytes(
 
 
 def test_concurrent_submits_of_one_spec_share_one_compile(compiler: GrammarCompiler) -> None:
-    spec = GrammarSpec.regex("x[a-z]{2,9}y")
+    properties = {f"p{i}": {"type": "string"} for i in range(300)}  # ~0.1 s to compile
+    spec = GrammarSpec.json_schema({"type": "object", "properties": properties})
     futures = [compiler.submit(spec) for _ in range(5)]
-    assert len({id(f) for f in futures}) == 1
+    assert len({id(f) for f in futures}) == 1  # in flight: the same future
     assert isinstance(futures[0].result(timeout=30), CompiledGrammar)
 
 
-def test_invalid_specs_and_compile_errors_resolve_to_errors_at_once(
-    compiler: GrammarCompiler,
-) -> None:
-    refused = compiler.submit(GrammarSpec.json_schema({"not": {}}))
-    assert refused.done() and isinstance(refused.result(), GrammarError)
+def test_invalid_specs_and_compile_errors_resolve_to_errors(compiler: GrammarCompiler) -> None:
+    spec = GrammarSpec.json_schema({"not": {}})
+    refused = compiler.submit(spec).result(timeout=30)  # checked on a worker
+    assert isinstance(refused, GrammarError) and refused.code is GrammarErrorCode.UNSUPPORTED
+    again = compiler.submit(spec)  # remembered
+    assert again.done() and again.result() == refused
     error = compiler.compile(GrammarSpec.grammar("root ::= undefined_rule"))
     assert isinstance(error, GrammarError) and error.code is GrammarErrorCode.COMPILE
     assert "undefined_rule" in error.message and not re.match(r"^\[\d", error.message)

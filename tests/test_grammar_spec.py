@@ -45,7 +45,8 @@ def test_typical_schemas_pass_pydantic_models_included() -> None:
         OBJECT,
         Person.model_json_schema(),
         {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
-        {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$", "maxLength": 30},
+        {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+        {"type": "string", "minLength": 2, "maxLength": 30},
         {"type": "integer", "multipleOf": 3},
         {"anyOf": [{"type": "string"}, {"type": "null"}]},
         {"type": "object", "properties": {"p": {"$ref": "#"}}},
@@ -103,6 +104,8 @@ UNENFORCED: list[tuple[str, dict[str, Any], str]] = [
     ("$ref", {"$defs": {"P": {"type": "integer"}}, "$ref": "#/$defs/P", "maximum": 3}, "5"),
     ("$ref", {"$defs": {"x": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}, '"s"'),
     ("regex", {"type": "string", "pattern": "^(?=a)[a-z]+$"}, '"b"'),
+    ("maxLength", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"'),
+    ("maxLength", {"type": "string", "format": "date", "minLength": 20}, '"2020-01-01"'),
 ]
 
 
@@ -132,6 +135,17 @@ def test_remote_refs_are_refused_and_never_fetched() -> None:
     error = check_spec(GrammarSpec.json_schema({"$ref": "http://169.254.169.254/schema.json"}))
     assert error is not None and error.code is GrammarErrorCode.UNSUPPORTED
     assert "local" in error.message
+
+
+def test_an_unknown_dollar_schema_is_refused_before_anything_could_fetch_it() -> None:
+    for schema in (
+        {"$schema": "http://127.0.0.1:1/meta.json", "type": "string"},
+        {"type": "object", "properties": {"a": {"$schema": "https://x.invalid/s"}}},
+    ):
+        error = check_spec(GrammarSpec.json_schema(schema))
+        assert error is not None and "Unknown '$schema'" in error.message
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "string"}
+    assert check_spec(GrammarSpec.json_schema(draft7)) is None
 
 
 def test_oneof_with_provably_disjoint_branches_passes() -> None:

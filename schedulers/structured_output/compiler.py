@@ -3,7 +3,8 @@
 `GrammarCompiler.submit(spec)` never blocks and never raises: it returns a future that
 resolves to a `CompiledGrammar` or a `GrammarError`. Results are cached by spec (an LRU
 bounded in bytes); failures are cached too, so a schema that timed out is refused at once
-the next time instead of occupying a worker again.
+the next time instead of occupying a worker again. `check_spec` runs on the worker too, within
+the time limit, and its errors come back through the future.
 
 Bounds (a pathological schema never stalls the engine or other requests):
 - a compile that runs past `limits.compile_timeout_s` (counted from when a worker starts
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import re
 import threading
 import time
@@ -29,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from schedulers.structured_output.schema_support import for_xgrammar
 from schedulers.structured_output.spec import (
     GrammarError,
     GrammarErrorCode,
@@ -156,10 +159,15 @@ class GrammarCompiler:
         return self._cached_bytes
 
     def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar | GrammarError]:
-        """A future of `spec` compiled, or of why it cannot be; never blocks, never raises."""
-        problem = check_spec(spec, self.limits)
-        if problem is not None:
-            return _resolved(problem)
+        """A future of `spec` compiled, or of why it cannot be; never blocks, never raises.
+
+        NOTE: `check_spec` runs on the worker (validating a large schema against its
+        meta-schema takes ~0.1 s per 10 KB), so its errors come back through the future too.
+        """
+        if len(spec.text) > self.limits.max_spec_bytes:  # chars <= bytes: a cheap first cut
+            problem = check_spec(spec, self.limits)
+            if problem is not None:
+                return _resolved(problem)
         with self._lock:
             cached = self._cache.get(spec)
             if cached is not None:
@@ -208,13 +216,15 @@ class GrammarCompiler:
             time.monotonic() + self.limits.compile_timeout_s, lambda: self._expire_running(job)
         )
         start = time.perf_counter()
-        try:
-            handle = _compile(compiler, job.spec, self.any_whitespace)
-            result: CompiledGrammar | GrammarError = CompiledGrammar(
-                job.spec, handle, int(handle.memory_size_bytes), time.perf_counter() - start
-            )
-        except Exception as exc:  # xgrammar's RuntimeError/ValueError name the problem
-            result = GrammarError(GrammarErrorCode.COMPILE, _compile_message(exc))
+        result: CompiledGrammar | GrammarError | None = check_spec(job.spec, self.limits)
+        if result is None:
+            try:
+                handle = _compile(compiler, job.spec, self.any_whitespace)
+                result = CompiledGrammar(
+                    job.spec, handle, int(handle.memory_size_bytes), time.perf_counter() - start
+                )
+            except Exception as exc:  # xgrammar's RuntimeError/ValueError name the problem
+                result = GrammarError(GrammarErrorCode.COMPILE, _compile_message(exc))
         limit = self.limits.max_grammar_bytes
         if isinstance(result, CompiledGrammar) and result.memory_bytes > limit:
             result = GrammarError(
@@ -298,17 +308,33 @@ def _compile(compiler: Any, spec: GrammarSpec, any_whitespace: bool) -> Any:
     """The xgrammar CompiledGrammar of `spec` (raises what xgrammar raises)."""
     if spec.kind is GrammarKind.JSON_SCHEMA or spec.kind is GrammarKind.JSON_OBJECT:
         schema = spec.text if spec.kind is GrammarKind.JSON_SCHEMA else '{"type":"object"}'
-        return compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
+        return compiler.compile_json_schema(
+            json.dumps(for_xgrammar(json.loads(schema))),
+            any_whitespace=any_whitespace,
+            strict_mode=True,
+        )
     if spec.kind is GrammarKind.REGEX:
         return compiler.compile_regex(spec.text)
     if spec.kind is GrammarKind.CHOICE:
-        import json
-
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices())
         return compiler.compile_grammar(f"root ::= {alternatives}")
     if spec.kind is GrammarKind.GRAMMAR:
         return compiler.compile_grammar(spec.text)
-    return compiler.compile_structural_tag(spec.text)
+    return compiler.compile_structural_tag(json.dumps(_tag_for_xgrammar(json.loads(spec.text))))
+
+
+def _tag_for_xgrammar(tag: Any) -> Any:
+    """`tag` with each nested `json_schema` format's schema passed through `for_xgrammar`."""
+    stack = [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                node["json_schema"] = for_xgrammar(node["json_schema"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return tag
 
 
 def _compile_message(exc: Exception) -> str:

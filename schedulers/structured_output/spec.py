@@ -1,7 +1,7 @@
 """What a request asks its output to match (`GrammarSpec`), and the checks made before queueing.
 
-Everything here is plain Python (json, jsonschema): no xgrammar, no torch, so the gateway can
-validate a request's grammar before it queues anything. Compiling is `compiler.py`'s job.
+No xgrammar and no torch here (json and jsonschema-rs only), so the gateway can validate a
+request's grammar before it queues anything. Compiling is `compiler.py`'s job.
 """
 
 from __future__ import annotations
@@ -144,6 +144,8 @@ def check_spec(spec: GrammarSpec, limits: GrammarLimits | None = None) -> Gramma
         value = json.loads(spec.text)
     except ValueError as exc:
         return GrammarError(GrammarErrorCode.INVALID, f"The {spec.kind} is not valid JSON: {exc}")
+    except RecursionError:
+        return GrammarError(GrammarErrorCode.TOO_LARGE, f"The {spec.kind} is nested too deeply.")
     if spec.kind is GrammarKind.CHOICE:
         return _choice_error(value)
     if spec.kind is GrammarKind.JSON_SCHEMA:
@@ -158,7 +160,7 @@ def _canonical_json(value: Mapping[str, Any] | bool | str) -> str:
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             return value
     return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
 
