@@ -15,8 +15,9 @@ The one call format (Hermes / Qwen2.5 style; docs/structured-outputs.md):
   (assistant `tool_calls`, `role: tool` results) into plain messages, in the format above.
 - `tool_grammar` is the constraint: `required` -> one or more valid calls of the allowed
   tools (exactly one when `parallel_tool_calls` is false), a named function -> one call of
-  it, `auto` -> free text in which a call, once `<tool_call>` starts it, must be valid.
-  Arguments are constrained by each tool's `parameters` schema.
+  it, `auto` -> free text in which a call, once `<tool_call>` starts it, must be valid (or,
+  with a `response_format`, either calls or an answer in that format). Arguments are
+  constrained by each tool's `parameters` schema.
 Pure Python: no torch, no xgrammar (`tool_call_parser.py` parses the calls back).
 """
 
@@ -29,8 +30,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.problems import ParamProblem
 from gateway.tool_call_parser import TOOL_CALL_BEGIN, TOOL_CALL_END
-from schedulers.structured_output import GrammarSpec, check_spec
+from schedulers.structured_output import GrammarKind, GrammarSpec, check_spec
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 #: most tools one request may declare (OpenAI's limit)
@@ -38,6 +40,7 @@ MAX_TOOLS = 128
 _CALL_PREFIX = TOOL_CALL_BEGIN + '\n{"name": "'
 _CALL_ARGUMENTS = '", "arguments": '
 _CALL_SUFFIX = "}\n" + TOOL_CALL_END
+_ANY_OBJECT = {"type": "object"}
 _PROBE_TOOL = {
     "type": "function",
     "function": {
@@ -46,14 +49,6 @@ _PROBE_TOOL = {
         "parameters": {"type": "object", "properties": {}},
     },
 }
-
-
-@dataclass(frozen=True)
-class ToolProblem:
-    """Why a request's tools or messages are invalid; the gateway answers 400 with `param`."""
-
-    param: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -92,60 +87,60 @@ class RenderedConversation:
 
 def check_tools(
     tools: Sequence[Any] | None, param: str = "tools"
-) -> list[FunctionTool] | ToolProblem:
+) -> list[FunctionTool] | ParamProblem:
     """Validate Chat Completions `tools` (`{"type": "function", "function": {...}}`)."""
     if not tools:
         return []
     if len(tools) > MAX_TOOLS:
-        return ToolProblem(param, f"At most {MAX_TOOLS} tools are allowed, got {len(tools)}.")
+        return ParamProblem(param, f"At most {MAX_TOOLS} tools are allowed, got {len(tools)}.")
     out: list[FunctionTool] = []
     for i, tool in enumerate(tools):
         where = f"{param}[{i}]"
         if not isinstance(tool, Mapping):
-            return ToolProblem(where, "Each tool must be an object.")
+            return ParamProblem(where, "Each tool must be an object.")
         if tool.get("type") != "function":
-            return ToolProblem(
+            return ParamProblem(
                 f"{where}.type",
                 f"Tools of type {tool.get('type')!r} are not supported; only 'function' is.",
             )
         function = tool.get("function")
         if not isinstance(function, Mapping):
-            return ToolProblem(f"{where}.function", "Missing required parameter: 'function'.")
+            return ParamProblem(f"{where}.function", "Missing required parameter: 'function'.")
         checked = check_function(function, f"{where}.function")
-        if isinstance(checked, ToolProblem):
+        if isinstance(checked, ParamProblem):
             return checked
         if any(t.name == checked.name for t in out):
-            return ToolProblem(f"{where}.function.name", f"Duplicate tool name {checked.name!r}.")
+            return ParamProblem(f"{where}.function.name", f"Duplicate tool name {checked.name!r}.")
         out.append(checked)
     return out
 
 
-def check_function(function: Mapping[str, Any], where: str) -> FunctionTool | ToolProblem:
+def check_function(function: Mapping[str, Any], where: str) -> FunctionTool | ParamProblem:
     """Validate one function definition (`name`, `description`, `parameters`)."""
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        return ToolProblem(
+        return ParamProblem(
             f"{where}.name",
             f"Invalid tool name {name!r}: it must be 1-64 characters of a-z, A-Z, 0-9, "
             "underscores and dashes.",
         )
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        return ToolProblem(f"{where}.description", "'description' must be a string.")
+        return ParamProblem(f"{where}.description", "'description' must be a string.")
     parameters = function.get("parameters")
     if parameters is not None:
         if not isinstance(parameters, Mapping):
-            return ToolProblem(f"{where}.parameters", "'parameters' must be a JSON schema object.")
+            return ParamProblem(f"{where}.parameters", "'parameters' must be a JSON schema object.")
         error = check_spec(GrammarSpec.json_schema(parameters))
         if error is not None:
-            return ToolProblem(f"{where}.parameters", error.message)
+            return ParamProblem(f"{where}.parameters", error.message)
         parameters = dict(parameters)
     return FunctionTool(name, description, parameters)
 
 
 def resolve_tool_choice(
     tool_choice: Any, tools: Sequence[FunctionTool], param: str = "tool_choice"
-) -> ToolChoice | ToolProblem:
+) -> ToolChoice | ParamProblem:
     """`tool_choice` (`none`/`auto`/`required`, a named function, or `allowed_tools`)
     against the declared tools. Without tools, only `none`/`auto`/absent are valid."""
     if tool_choice is None:
@@ -156,10 +151,10 @@ def resolve_tool_choice(
         if not tools:
             if tool_choice == "auto":
                 return ToolChoice("none", ())
-            return ToolProblem(param, "tool_choice 'required' needs at least one tool in 'tools'.")
+            return ParamProblem(param, "tool_choice 'required' needs at least one tool in 'tools'.")
         return ToolChoice(tool_choice, tuple(tools))
     if not isinstance(tool_choice, Mapping):
-        return ToolProblem(
+        return ParamProblem(
             param,
             f"Invalid tool_choice {tool_choice!r}: expected 'none', 'auto', 'required' or "
             '{"type": "function", "function": {"name": ...}}.',
@@ -170,7 +165,7 @@ def resolve_tool_choice(
         name = function.get("name") if isinstance(function, Mapping) else tool_choice.get("name")
         named = _find(tools, name)
         if named is None:
-            return ToolProblem(
+            return ParamProblem(
                 f"{param}.function.name" if isinstance(function, Mapping) else f"{param}.name",
                 f"tool_choice names the function {name!r}, which is not in 'tools'.",
             )
@@ -180,36 +175,44 @@ def resolve_tool_choice(
         mode = allowed.get("mode") if isinstance(allowed, Mapping) else None
         refs = allowed.get("tools") if isinstance(allowed, Mapping) else None
         if mode not in ("auto", "required") or not isinstance(refs, list) or not refs:
-            return ToolProblem(param, "allowed_tools needs a mode ('auto'/'required') and tools.")
+            return ParamProblem(param, "allowed_tools needs a mode ('auto'/'required') and tools.")
         chosen = []
         for j, ref in enumerate(refs):
             ref_name = _ref_name(ref)
             tool = _find(tools, ref_name)
             if tool is None:
-                return ToolProblem(
+                return ParamProblem(
                     f"{param}.allowed_tools.tools[{j}]",
                     f"allowed_tools names {ref_name!r}, which is not in 'tools'.",
                 )
             chosen.append(tool)
         return ToolChoice(mode, tuple(chosen))
-    return ToolProblem(f"{param}.type", f"tool_choice of type {kind!r} is not supported.")
+    return ParamProblem(f"{param}.type", f"tool_choice of type {kind!r} is not supported.")
 
 
-def tool_grammar(choice: ToolChoice, parallel_tool_calls: bool = True) -> GrammarSpec | None:
-    """The constraint for `choice` (None for `none`): see the module docstring."""
+def tool_grammar(
+    choice: ToolChoice, parallel_tool_calls: bool = True, answer: GrammarSpec | None = None
+) -> GrammarSpec | None:
+    """The constraint for `choice` (see the module docstring); None when nothing is
+    constrained. `answer` is the request's own output format (`response_format` /
+    `text.format`): under `auto` the output is then either calls or an answer in that
+    format; a required or named call ignores it; without tools it is the constraint."""
     if choice.mode == "none" or not choice.tools:
-        return None
+        return answer
     tags = [_call_tag(tool) for tool in choice.tools]
+    calls: dict[str, Any] = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": not parallel_tool_calls,
+    }
     if choice.forced:
         fmt: dict[str, Any] = tags[0]
     elif choice.mode == "required":
-        fmt = {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": "\n",
-            "at_least_one": True,
-            "stop_after_first": not parallel_tool_calls,
-        }
+        fmt = calls
+    elif answer is not None:
+        fmt = {"type": "or", "elements": [calls, _answer_format(answer)]}
     else:
         fmt = {
             "type": "triggered_tags",
@@ -219,6 +222,22 @@ def tool_grammar(choice: ToolChoice, parallel_tool_calls: bool = True) -> Gramma
             "stop_after_first": not parallel_tool_calls,
         }
     return GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
+
+
+def _answer_format(spec: GrammarSpec) -> dict[str, Any]:
+    """`spec` as a structural-tag format (to offer it beside tool calls)."""
+    if spec.kind is GrammarKind.JSON_SCHEMA or spec.kind is GrammarKind.JSON_OBJECT:
+        schema = json.loads(spec.text) if spec.kind is GrammarKind.JSON_SCHEMA else _ANY_OBJECT
+        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    if spec.kind is GrammarKind.REGEX:
+        return {"type": "regex", "pattern": spec.text}
+    if spec.kind is GrammarKind.GRAMMAR:
+        return {"type": "grammar", "grammar": spec.text}
+    if spec.kind is GrammarKind.CHOICE:
+        options = [{"type": "const_string", "value": c} for c in spec.choices()]
+        return {"type": "or", "elements": options}
+    format_: dict[str, Any] = json.loads(spec.text)["format"]
+    return format_
 
 
 def _call_tag(tool: FunctionTool) -> dict[str, Any]:
@@ -290,7 +309,7 @@ def render_conversation(
     *,
     renders_tools: bool,
     param: str = "messages",
-) -> RenderedConversation | ToolProblem:
+) -> RenderedConversation | ParamProblem:
     """`messages` (Chat Completions shape, dicts) and the tools to show, ready for the chat
     template: see the module docstring. Checks that each `tool` message has a
     `tool_call_id` answering an earlier assistant `tool_calls` entry."""
@@ -303,11 +322,11 @@ def render_conversation(
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
-                return ToolProblem(
+                return ParamProblem(
                     f"{where}.tool_call_id", "Missing required parameter: 'tool_call_id'."
                 )
             if call_id not in call_ids:
-                return ToolProblem(
+                return ParamProblem(
                     f"{where}.tool_call_id",
                     f"Invalid 'tool_call_id' {call_id!r}: a tool message must answer a "
                     "preceding assistant message's 'tool_calls'.",
@@ -325,7 +344,7 @@ def render_conversation(
         results_turn = None
         if role == "assistant" and message.get("tool_calls"):
             calls = _check_calls(message["tool_calls"], f"{where}.tool_calls")
-            if isinstance(calls, ToolProblem):
+            if isinstance(calls, ParamProblem):
                 return calls
             call_ids.update(call_id for call_id, _, _ in calls)
             out.append(_assistant_turn(_text(message.get("content")), calls, renders_tools))
@@ -342,24 +361,24 @@ def render_conversation(
     return RenderedConversation(out, None)
 
 
-def _check_calls(calls: Any, where: str) -> list[tuple[str, str, str]] | ToolProblem:
+def _check_calls(calls: Any, where: str) -> list[tuple[str, str, str]] | ParamProblem:
     """(id, name, arguments) of an assistant message's `tool_calls`."""
     if not isinstance(calls, list):
-        return ToolProblem(where, "'tool_calls' must be a list.")
+        return ParamProblem(where, "'tool_calls' must be a list.")
     out = []
     for j, call in enumerate(calls):
         at = f"{where}[{j}]"
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping):
-            return ToolProblem(f"{at}.function", "Missing required parameter: 'function'.")
+            return ParamProblem(f"{at}.function", "Missing required parameter: 'function'.")
         call_id, name = call.get("id"), function.get("name")
         arguments = function.get("arguments", "{}")
         if not isinstance(call_id, str) or not call_id:
-            return ToolProblem(f"{at}.id", "Missing required parameter: 'id'.")
+            return ParamProblem(f"{at}.id", "Missing required parameter: 'id'.")
         if not isinstance(name, str) or not name:
-            return ToolProblem(f"{at}.function.name", "Missing required parameter: 'name'.")
+            return ParamProblem(f"{at}.function.name", "Missing required parameter: 'name'.")
         if not isinstance(arguments, str):
-            return ToolProblem(f"{at}.function.arguments", "'arguments' must be a JSON string.")
+            return ParamProblem(f"{at}.function.arguments", "'arguments' must be a JSON string.")
         out.append((call_id, name, arguments))
     return out
 

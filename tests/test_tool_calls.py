@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerFast
 from gateway.tool_call_parser import parse_tool_calls
 from gateway.tool_calls import (
     FunctionTool,
+    ParamProblem,
     ToolChoice,
-    ToolProblem,
     check_tools,
     format_tool_call,
     render_conversation,
@@ -21,7 +21,12 @@ from gateway.tool_calls import (
     tool_grammar,
     tool_prompt,
 )
-from schedulers.structured_output import CompiledGrammar, GrammarCompiler, SequenceGrammar
+from schedulers.structured_output import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarSpec,
+    SequenceGrammar,
+)
 from tests.tiny_models import VOCAB, tiny_tokenizer
 
 WEATHER = {
@@ -52,12 +57,12 @@ TOOLS_TEMPLATE = (
 
 def tools(*specs: dict[str, Any]) -> list[FunctionTool]:
     checked = check_tools(list(specs))
-    assert not isinstance(checked, ToolProblem), checked
+    assert not isinstance(checked, ParamProblem), checked
     return checked
 
 
-def problem_param(result: object) -> str:
-    assert isinstance(result, ToolProblem), result
+def problem_param(result: object) -> str | None:
+    assert isinstance(result, ParamProblem), result
     return result.param
 
 
@@ -69,7 +74,7 @@ def test_valid_tools_pass_and_invalid_ones_name_their_param() -> None:
     bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}
     result = check_tools([bad_schema])
     assert problem_param(result) == "tools[0].function.parameters"
-    assert isinstance(result, ToolProblem) and "Invalid JSON schema" in result.message
+    assert isinstance(result, ParamProblem) and "Invalid JSON schema" in result.message
     unenforced = {"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}
     assert problem_param(check_tools([unenforced])) == "tools[0].function.parameters"
     assert problem_param(check_tools([WEATHER, WEATHER])) == "tools[1].function.name"
@@ -149,7 +154,7 @@ def test_without_template_support_tools_and_history_become_plain_messages(
     plain_tokenizer: PreTrainedTokenizerFast,
 ) -> None:
     rendered = render_conversation(HISTORY, tools(WEATHER), renders_tools=False)
-    assert not isinstance(rendered, ToolProblem) and rendered.tools is None
+    assert not isinstance(rendered, ParamProblem) and rendered.tools is None
     system, user, assistant, results = rendered.messages
     assert system == {"role": "system", "content": "Be brief.\n\n" + tool_prompt(tools(WEATHER))}
     assert '"name": "get_weather"' in system["content"] and "<tools>" in system["content"]
@@ -172,17 +177,17 @@ def test_without_template_support_tools_and_history_become_plain_messages(
 
 def test_without_a_system_message_the_tool_prompt_becomes_one() -> None:
     rendered = render_conversation(HISTORY[1:2], tools(TIME), renders_tools=False)
-    assert not isinstance(rendered, ToolProblem)
+    assert not isinstance(rendered, ParamProblem)
     assert rendered.messages[0] == {"role": "system", "content": tool_prompt(tools(TIME))}
     no_tools = render_conversation(HISTORY[1:2], [], renders_tools=False)
-    assert not isinstance(no_tools, ToolProblem) and len(no_tools.messages) == 1
+    assert not isinstance(no_tools, ParamProblem) and len(no_tools.messages) == 1
 
 
 def test_with_template_support_the_template_gets_the_tools_and_the_history(
     tools_tokenizer: PreTrainedTokenizerFast,
 ) -> None:
     rendered = render_conversation(HISTORY, tools(WEATHER), renders_tools=True)
-    assert not isinstance(rendered, ToolProblem)
+    assert not isinstance(rendered, ParamProblem)
     assert rendered.tools == [tools(WEATHER)[0].as_openai()]
     assert rendered.messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert [m["role"] for m in rendered.messages] == ["system", "user", "assistant", "tool", "tool"]
@@ -224,7 +229,7 @@ def compiler() -> Iterator[GrammarCompiler]:
 def accepts(compiler: GrammarCompiler, choice: Any, text: str, parallel: bool = True) -> bool:
     """Whether the whole of `text` is a complete output under the tool constraint."""
     resolved = resolve_tool_choice(choice, tools(WEATHER, TIME))
-    assert not isinstance(resolved, ToolProblem)
+    assert not isinstance(resolved, ParamProblem)
     spec = tool_grammar(resolved, parallel_tool_calls=parallel)
     assert spec is not None
     grammar = compiler.compile(spec)
@@ -279,9 +284,34 @@ def test_the_default_models_template_ignores_tools_and_renders_the_plain_history
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("default"))
     assert not template_renders_tools(tokenizer)
     rendered = render_conversation(HISTORY, tools(WEATHER), renders_tools=False)
-    assert not isinstance(rendered, ToolProblem)
+    assert not isinstance(rendered, ParamProblem)
     prompt = tokenizer.apply_chat_template(
         rendered.messages, tokenize=False, add_generation_prompt=True
     )
     assert prompt.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
+
+
+def test_auto_with_an_answer_format_allows_calls_or_a_valid_answer_only(
+    compiler: GrammarCompiler,
+) -> None:
+    answer = GrammarSpec.json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                      "required": ["ok"]})  # fmt: skip
+    both = tools(WEATHER, TIME)
+    spec = tool_grammar(ToolChoice("auto", tuple(both)), answer=answer)
+    assert spec is not None
+    grammar = compiler.compile(spec)
+    assert isinstance(grammar, CompiledGrammar), grammar
+    tokenizer = tiny_tokenizer()
+
+    def complete(text: str) -> bool:
+        state = SequenceGrammar(grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(state.accept(t) for t in ids) and state.is_completed
+
+    assert complete('{"ok": true}') and complete(PARIS) and complete(PARIS + "\n" + NOW)
+    assert not complete("free text") and not complete('{"ok": 1}')
+    assert tool_grammar(ToolChoice("none", ()), answer=answer) == answer
+    assert tool_grammar(ToolChoice("required", tuple(both)), answer=answer) == tool_grammar(
+        ToolChoice("required", tuple(both))
+    )
