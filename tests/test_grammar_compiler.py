@@ -139,6 +139,15 @@ def test_length_bounded_strings_never_contain_raw_control_characters(
     assert walk(state, tokenizer, 'héllo"') and state.is_completed  # 5 chars, 6 bytes
     too_long = SequenceGrammar(compiled(compiler, GrammarSpec.json_schema(schema)))
     assert not walk(too_long, tokenizer, '"abcdef"')
+    spacious = make_compiler(tokenizer, any_whitespace=True)  # the other workaround
+    try:
+        array = GrammarSpec.json_schema({"type": "array", "items": schema})
+        state = SequenceGrammar(compiled(spacious, array))
+        assert walk(state, tokenizer, '[\n\t"')
+        assert not allowed(state) & control
+        assert walk(state, tokenizer, 'héllo"\n]') and state.is_completed
+    finally:
+        spacious.close()
 
 
 def test_a_cached_grammar_is_returned_without_compiling_again(

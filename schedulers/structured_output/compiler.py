@@ -19,6 +19,7 @@ stalls the main thread by < 7 ms), so compiles do not slow the engine thread's P
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import json
@@ -64,13 +65,17 @@ class _Job:
 
 
 def build_tokenizer_info(
-    tokenizer: Any, vocab_size: int | None = None, stop_token_ids: Iterable[int] | None = None
+    tokenizer: Any,
+    vocab_size: int | None = None,
+    stop_token_ids: Iterable[int] | None = None,
+    banned_bytes: frozenset[int] = frozenset(),
 ) -> Any:
     """xgrammar's TokenizerInfo for an HF tokenizer, sized to the model's logits width.
 
     Special added tokens (`<|im_start|>`, `<|endoftext|>`, ...) other than the stop tokens
     are given an empty text, which xgrammar treats as never allowed: otherwise they count as
-    their literal text and could appear inside a JSON string.
+    their literal text and could appear inside a JSON string. So are tokens containing any
+    of `banned_bytes` (see `Vocabulary`).
     """
     import xgrammar as xgr
 
@@ -81,9 +86,14 @@ def build_tokenizer_info(
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     special = {i for i, token in added.items() if getattr(token, "special", False)}
     special -= set(base.stop_token_ids)
-    if not special:
+    if not special and not banned_bytes:
         return base
-    vocab = [b"" if i in special else text for i, text in enumerate(base.decoded_vocab)]
+    vocab = [
+        b"" if i in special or not banned_bytes.isdisjoint(text) else text
+        for i, text in enumerate(base.decoded_vocab)
+    ]
+    for stop in base.stop_token_ids:
+        vocab[stop] = base.decoded_vocab[stop]
     return xgr.TokenizerInfo(
         vocab,
         xgr.VocabType.RAW,  # decoded_vocab is already raw bytes
@@ -91,6 +101,33 @@ def build_tokenizer_info(
         stop_token_ids=base.stop_token_ids,
         add_prefix_space=base.add_prefix_space,
     )
+
+
+class Vocabulary(enum.Enum):
+    """Which tokens a grammar kind may ever use: the bytes banned from every token.
+
+    NOTE: xgrammar 0.2.9 compiles a `minLength`/`maxLength` string to a rule that admits raw
+    control characters (invalid JSON; docs/structured-outputs.md). Compact JSON never
+    contains a byte below 0x20 (escapes are `\\n`, two printable bytes), so JSON kinds use a
+    vocabulary without such tokens, which also keeps the fast length rule. Tool-call tags
+    need newlines around the JSON: their vocabulary keeps `\\n` only (the buggy rule excludes
+    it). Regexes and EBNF grammars get every token.
+    """
+
+    ALL = "all"
+    JSON = "json"
+    TAGS = "tags"
+
+    @property
+    def banned_bytes(self) -> frozenset[int]:
+        return _BANNED_BYTES[self]
+
+
+_BANNED_BYTES = {
+    Vocabulary.ALL: frozenset(),
+    Vocabulary.JSON: frozenset(range(0x20)),
+    Vocabulary.TAGS: frozenset(range(0x20)) - {0x0A},
+}
 
 
 def tokenizer_vocab_size(tokenizer: Any) -> int:
@@ -132,7 +169,7 @@ class GrammarCompiler:
         self.any_whitespace = any_whitespace
         self._tokenizer = tokenizer
         self._stop_token_ids = tuple(stop_token_ids or ())
-        self._info: Any = None
+        self._infos: dict[Vocabulary, Any] = {}
         self._info_lock = threading.Lock()
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
@@ -196,7 +233,7 @@ class GrammarCompiler:
 
     def warm_up(self) -> Future[None]:
         """Build the tokenizer info on a worker now (it takes ~0.2-0.4 s), not on first use."""
-        return self._pool.submit(self._tokenizer_info)
+        return self._pool.submit(self._tokenizer_info, Vocabulary.JSON)
 
     def close(self) -> None:
         """Stop the workers (running compiles finish in the background) and the watchdog."""
@@ -211,7 +248,8 @@ class GrammarCompiler:
                 self._finish(job)
                 return
             job.started = True
-        compiler = self._thread_compiler()
+        vocabulary = _vocabulary(job.spec, self.any_whitespace)
+        compiler = self._thread_compiler(vocabulary)
         self._watchdog.call_at(
             time.monotonic() + self.limits.compile_timeout_s, lambda: self._expire_running(job)
         )
@@ -283,36 +321,46 @@ class GrammarCompiler:
             _, evicted = self._cache.popitem(last=False)
             self._cached_bytes -= evicted.memory_bytes
 
-    def _tokenizer_info(self) -> Any:
+    def _tokenizer_info(self, vocabulary: Vocabulary) -> Any:
         with self._info_lock:
-            if self._info is None:
-                self._info = build_tokenizer_info(
-                    self._tokenizer, self.vocab_size, self._stop_token_ids
+            info = self._infos.get(vocabulary)
+            if info is None:
+                info = build_tokenizer_info(
+                    self._tokenizer, self.vocab_size, self._stop_token_ids, vocabulary.banned_bytes
                 )
-            return self._info
+                self._infos[vocabulary] = info
+            return info
 
-    def _thread_compiler(self) -> Any:
-        """This worker's own xgrammar compiler (its cache off: ours is the cache)."""
-        compiler = getattr(self._local, "compiler", None)
+    def _thread_compiler(self, vocabulary: Vocabulary) -> Any:
+        """This worker's own xgrammar compiler for `vocabulary` (its cache off: ours is the
+        cache)."""
+        compilers: dict[Vocabulary, Any] = self._local.__dict__.setdefault("compilers", {})
+        compiler = compilers.get(vocabulary)
         if compiler is None:
             import xgrammar as xgr
 
             compiler = xgr.GrammarCompiler(
-                self._tokenizer_info(), max_threads=1, cache_enabled=False
+                self._tokenizer_info(vocabulary), max_threads=1, cache_enabled=False
             )
-            self._local.compiler = compiler
+            compilers[vocabulary] = compiler
         return compiler
+
+
+def _vocabulary(spec: GrammarSpec, any_whitespace: bool) -> Vocabulary:
+    if spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT):
+        return Vocabulary.ALL if any_whitespace else Vocabulary.JSON
+    if spec.kind is GrammarKind.STRUCTURAL_TAG:
+        return Vocabulary.TAGS
+    return Vocabulary.ALL
 
 
 def _compile(compiler: Any, spec: GrammarSpec, any_whitespace: bool) -> Any:
     """The xgrammar CompiledGrammar of `spec` (raises what xgrammar raises)."""
     if spec.kind is GrammarKind.JSON_SCHEMA or spec.kind is GrammarKind.JSON_OBJECT:
         schema = spec.text if spec.kind is GrammarKind.JSON_SCHEMA else '{"type":"object"}'
-        return compiler.compile_json_schema(
-            json.dumps(for_xgrammar(json.loads(schema))),
-            any_whitespace=any_whitespace,
-            strict_mode=True,
-        )
+        if any_whitespace:  # raw tabs are legal between tokens: rewrite the buggy rule
+            schema = json.dumps(for_xgrammar(json.loads(schema)))
+        return compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
     if spec.kind is GrammarKind.REGEX:
         return compiler.compile_regex(spec.text)
     if spec.kind is GrammarKind.CHOICE:
@@ -320,21 +368,7 @@ def _compile(compiler: Any, spec: GrammarSpec, any_whitespace: bool) -> Any:
         return compiler.compile_grammar(f"root ::= {alternatives}")
     if spec.kind is GrammarKind.GRAMMAR:
         return compiler.compile_grammar(spec.text)
-    return compiler.compile_structural_tag(json.dumps(_tag_for_xgrammar(json.loads(spec.text))))
-
-
-def _tag_for_xgrammar(tag: Any) -> Any:
-    """`tag` with each nested `json_schema` format's schema passed through `for_xgrammar`."""
-    stack = [tag]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("type") == "json_schema" and "json_schema" in node:
-                node["json_schema"] = for_xgrammar(node["json_schema"])
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return tag
+    return compiler.compile_structural_tag(spec.text)
 
 
 def _compile_message(exc: Exception) -> str:
