@@ -23,6 +23,7 @@ import secrets
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -43,6 +44,11 @@ class ToolCall:
     name: str
     arguments: str
 
+    def as_openai(self) -> dict[str, Any]:
+        """One entry of a chat `message.tool_calls`."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
 
 @dataclass(frozen=True)
 class ParsedOutput:
@@ -60,6 +66,14 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+
+    def as_openai(self) -> dict[str, Any]:
+        """One entry of a chat chunk's `delta.tool_calls` (the header carries id, type and
+        name; later pieces only the index and an arguments fragment)."""
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
 
 
 StreamEvent = str | ToolCallDelta  # a str is a content delta
@@ -266,6 +280,12 @@ class ToolCallStreamParser:
         assert call.name is not None
         self.tool_calls.append(ToolCall(call.id, call.name, call.arguments))
         self._call = None
+
+
+def chat_finish_reason(parsed_calls: bool, finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason for a chat choice: `tool_calls` when the model stopped after
+    calling tools (a `length` cut stays `length`)."""
+    return "tool_calls" if parsed_calls and finish_reason == "stop" else finish_reason
 
 
 def parse_tool_calls(text: str, new_id: Callable[[], str] = new_call_id) -> ParsedOutput:

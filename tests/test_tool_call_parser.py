@@ -14,6 +14,7 @@ from gateway.tool_call_parser import (
     ToolCall,
     ToolCallDelta,
     ToolCallStreamParser,
+    chat_finish_reason,
     new_call_id,
     parse_tool_calls,
 )
@@ -178,3 +179,44 @@ def test_valid_calls_always_parse_back_to_their_names_and_arguments(
         body = json.loads(piece.removeprefix("<tool_call>").removesuffix("</tool_call>"))
         assert call.name == body["name"]
         assert json.loads(call.arguments) == body["arguments"]
+
+
+def test_the_sdk_reassembles_our_chat_chunks_into_the_same_message() -> None:
+    """Chat chunks carrying our deltas, through the openai SDK's own stream accumulator."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    output = "Checking. " + CALL + "\n" + CALL.replace("Paris", "Oslo")
+    parser = ToolCallStreamParser(ids())
+    chunks = [output[i : i + 7] for i in range(0, len(output), 7)]
+    events = [e for chunk in chunks for e in parser.feed(chunk)] + parser.finish()
+    parsed = parser.result()
+    state: ChatCompletionStreamState[object] = ChatCompletionStreamState()
+
+    def chunk(delta: dict[str, object], finish_reason: str | None = None) -> None:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        body = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        body["choices"] = [choice]
+        state.handle_chunk(ChatCompletionChunk.model_validate(body))
+
+    chunk({"role": "assistant", "content": ""})
+    for event in events:
+        if isinstance(event, str):
+            chunk({"content": event})
+        else:
+            chunk({"tool_calls": [event.as_openai()]})
+    chunk({}, chat_finish_reason(bool(parsed.tool_calls), "stop"))
+    final = state.get_final_completion()
+    message = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert message.content == parsed.content == "Checking."
+    rebuilt = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert rebuilt == [(c.id, c.name, c.arguments) for c in parsed.tool_calls]
+    assert [c.index for c in message.tool_calls or []] == [0, 1]
+    body = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None,
+                "tool_calls": [c.as_openai() for c in parsed.tool_calls]}}]}  # fmt: skip
+    assert ChatCompletion.model_validate(body).choices[0].message.tool_calls is not None
+    assert chat_finish_reason(True, "length") == "length"
+    assert chat_finish_reason(False, "stop") == "stop"
