@@ -76,7 +76,7 @@ def generate(
     grammar: CompiledGrammar,
     messages: list[dict[str, Any]],
     n: int,
-    max_tokens: int = 100,
+    max_tokens: int = 80,
 ) -> list[tuple[str, bool]]:
     """n samples at temperature 1 under `grammar`: (text, whether the grammar terminated)."""
     tokenizer = backend.tokenizer
@@ -136,7 +136,7 @@ def test_sampled_outputs_validate_against_the_schema(
     grammar = compiler.compile(GrammarSpec.json_schema(PERSON))
     assert isinstance(grammar, CompiledGrammar)
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
-    outputs = generate(backend, grammar, messages, n=3)
+    outputs = generate(backend, grammar, messages, n=2)
     finished = [text for text, done in outputs if done]
     assert finished, outputs
     for text in finished:
@@ -157,7 +157,7 @@ def test_a_required_tool_call_parses_into_a_valid_call(
     history = [{"role": "user", "content": "What is the weather in Paris?"}]
     rendered = render_conversation(history, tools, renders_tools=False)
     assert not isinstance(rendered, type(None))
-    outputs = generate(backend, grammar, rendered.messages, n=3)  # type: ignore[union-attr]
+    outputs = generate(backend, grammar, rendered.messages, n=2)  # type: ignore[union-attr]
     finished = [text for text, done in outputs if done]
     assert finished, outputs
     for text in finished:
