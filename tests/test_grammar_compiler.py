@@ -331,3 +331,15 @@ def test_fill_writes_only_its_own_row(
     state.fill_bitmask(bitmask, 1)
     assert (bitmask[0] == -1).all() and (bitmask[2] == -1).all()
     assert bitmask[1].ne(-1).any()
+
+
+def test_closing_answers_every_pending_compile_and_later_submits(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    closing = make_compiler(tokenizer, num_workers=1)
+    running = closing.submit(SLOW)
+    queued = closing.submit(GrammarSpec.json_schema(OBJECT))
+    closing.close()
+    for future in (running, queued, closing.submit(GrammarSpec.regex("[a-z]+"))):
+        result = future.result(timeout=5)
+        assert isinstance(result, GrammarError) and result.code is GrammarErrorCode.BUSY

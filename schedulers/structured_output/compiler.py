@@ -177,6 +177,7 @@ class GrammarCompiler:
         self._failures: OrderedDict[GrammarSpec, GrammarError] = OrderedDict()
         self._inflight: dict[GrammarSpec, _Job] = {}
         self._num_pending = 0
+        self._closed = False
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="grammar-compile")
         self._watchdog = _Watchdog()
@@ -216,6 +217,8 @@ class GrammarCompiler:
             job = self._inflight.get(spec)
             if job is not None:
                 return job.future
+            if self._closed:
+                return _resolved(_busy("it is shutting down"))
             if self._num_pending >= self.max_pending:
                 return _resolved(_busy(f"{self._num_pending} grammars are already compiling"))
             job = _Job(spec, Future())
@@ -236,7 +239,14 @@ class GrammarCompiler:
         return self._pool.submit(self._tokenizer_info, Vocabulary.JSON)
 
     def close(self) -> None:
-        """Stop the workers (running compiles finish in the background) and the watchdog."""
+        """Stop the workers (running compiles finish in the background) and the watchdog;
+        every compile still pending resolves to `BUSY`, and so does any later submit."""
+        with self._lock:
+            self._closed = True
+            jobs, self._inflight = list(self._inflight.values()), {}
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_result(_busy("it is shutting down"))
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._watchdog.stop()
 
