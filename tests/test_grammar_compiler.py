@@ -343,3 +343,13 @@ def test_closing_answers_every_pending_compile_and_later_submits(
     for future in (running, queued, closing.submit(GrammarSpec.regex("[a-z]+"))):
         result = future.result(timeout=5)
         assert isinstance(result, GrammarError) and result.code is GrammarErrorCode.BUSY
+
+
+def test_a_tokenizer_xgrammar_cannot_read_fails_the_compile_instead_of_hanging() -> None:
+    unreadable = GrammarCompiler(object(), vocab_size=16)
+    try:
+        result = unreadable.submit(GrammarSpec.json_object()).result(timeout=10)
+        assert isinstance(result, GrammarError) and result.code is GrammarErrorCode.COMPILE
+        assert unreadable.num_pending == 0
+    finally:
+        unreadable.close()

@@ -19,6 +19,7 @@ stalls the main thread by < 7 ms), so compiles do not slow the engine thread's P
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import heapq
 import itertools
@@ -227,7 +228,8 @@ class GrammarCompiler:
         self._watchdog.call_at(
             time.monotonic() + self.queue_timeout_s, lambda: self._expire_queued(job)
         )
-        self._pool.submit(self._run, job)
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: close() answered the job
+            self._pool.submit(self._run, job)
         return job.future
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar | GrammarError:
@@ -258,21 +260,25 @@ class GrammarCompiler:
                 self._finish(job)
                 return
             job.started = True
-        vocabulary = _vocabulary(job.spec, self.any_whitespace)
-        compiler = self._thread_compiler(vocabulary)
+        result: CompiledGrammar | GrammarError | None = None
+        try:  # the tokenizer info (built on first use) does not count against the deadline
+            compiler = self._thread_compiler(_vocabulary(job.spec, self.any_whitespace))
+        except Exception as exc:
+            result = GrammarError(GrammarErrorCode.COMPILE, _compile_message(exc))
         self._watchdog.call_at(
             time.monotonic() + self.limits.compile_timeout_s, lambda: self._expire_running(job)
         )
         start = time.perf_counter()
-        result: CompiledGrammar | GrammarError | None = check_spec(job.spec, self.limits)
-        if result is None:
-            try:
+        try:
+            if result is None:
+                result = check_spec(job.spec, self.limits)
+            if result is None:
                 handle = _compile(compiler, job.spec, self.any_whitespace)
                 result = CompiledGrammar(
                     job.spec, handle, int(handle.memory_size_bytes), time.perf_counter() - start
                 )
-            except Exception as exc:  # xgrammar's RuntimeError/ValueError name the problem
-                result = GrammarError(GrammarErrorCode.COMPILE, _compile_message(exc))
+        except Exception as exc:  # xgrammar's RuntimeError/ValueError name the problem
+            result = GrammarError(GrammarErrorCode.COMPILE, _compile_message(exc))
         limit = self.limits.max_grammar_bytes
         if isinstance(result, CompiledGrammar) and result.memory_bytes > limit:
             result = GrammarError(
