@@ -18,6 +18,10 @@ from bench.metrics import Slo
 from bench.runner import BenchConfig, BenchResult, rate_label, run_bench
 from bench.workload import (
     PRESETS,
+    DatasetEntry,
+    RequestSpec,
+    add_shared_prefix,
+    build_conversations,
     build_workload,
     load_dataset,
     parse_dist,
@@ -183,6 +187,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at most this many requests in flight",
     )
 
+    sharing = parser.add_argument_group("prefix sharing (for prefix caches)")
+    sharing.add_argument(
+        "--shared-prefix-len",
+        type=_arg_type(_non_negative_int, "words"),
+        default=0,
+        metavar="N",
+        help="every conversation starts with the same N-word system prompt (about N tokens)",
+    )
+    sharing.add_argument(
+        "--multi-turn",
+        type=_arg_type(_positive_int, "turns"),
+        default=1,
+        metavar="K",
+        help="conversations of K turns (--num-requests conversations): each turn is sent "
+        "when the previous answer arrived, resending the history (default: 1)",
+    )
+
     out = parser.add_argument_group("report")
     out.add_argument(
         "--slo-ttft",
@@ -251,7 +272,23 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
         progress=args.progress,
         fetch_trace=args.fetch_trace,
         warmups=args.warmups,
+        shared_prefix_len=args.shared_prefix_len,
+        multi_turn=args.multi_turn,
     )
+
+
+def sharing_workload(cfg: BenchConfig, dataset: list[DatasetEntry] | None) -> list[RequestSpec]:
+    """The requests of a run, with `--multi-turn` conversations and a `--shared-prefix-len`
+    system prompt when asked."""
+    if cfg.multi_turn > 1:
+        specs = build_conversations(
+            cfg.num_requests, cfg.multi_turn, cfg.input_len, cfg.output_len, cfg.seed
+        )
+    else:
+        specs = build_workload(cfg.num_requests, cfg.input_len, cfg.output_len, cfg.seed, dataset)
+    if cfg.shared_prefix_len:
+        specs = add_shared_prefix(specs, cfg.shared_prefix_len, cfg.seed)
+    return specs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -261,9 +298,14 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"carousel bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if dataset and args.multi_turn > 1:
+        print(
+            "carousel bench: --multi-turn generates its own prompts (no --dataset)", file=sys.stderr
+        )
+        return EXIT_USAGE
     num_requests = args.num_requests or (len(dataset) if dataset else 100)
     cfg = build_config(args, num_requests)
-    specs = build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed, dataset)
+    specs = sharing_workload(cfg, dataset)
     try:
         result = asyncio.run(run_bench(cfg, specs))
     except KeyboardInterrupt:

@@ -6,14 +6,17 @@ report.json (schema_version 1)::
       "schema_version": 1, "created": ISO-8601 UTC, "interrupted": bool,
       "config": {"url", "model", "endpoint", "arms", "num_requests", "rates", "burstiness",
                  "input_len", "output_len", "dataset", "seed", "max_concurrency",
-                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups"},
+                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups",
+                 "shared_prefix_len", "multi_turn"},
       "workload": {"num_requests", "mean_target_input_len", "mean_max_tokens"},
       "runs": [{"arm", "rate", "start_time", "end_time", "interrupted",
                 "metrics": {see metrics.compute_metrics}, "mean_prompt_tokens",
                 "errors": {message: count},
                 "trace": {"available", "note", "num_iterations", "max_num_seqs",
                           "mean_batch_size", "seat_occupancy", "num_preempted",
-                          "truncated"}}],
+                          "truncated"},
+                "prefix_cache": {"hit_rate", "cached_tokens", "prompt_tokens",
+                                 "ttft_ms_first_turns", "ttft_ms_later_turns"}}],
       "comparison": [{"rate", "baseline", "arm", "<metric>_ratio", ...}],
       "files": {"report_md", "requests", "plots": [file names]},
       "notes": [str]
@@ -31,7 +34,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import error_counts, tpot
+from bench.metrics import error_counts, prefix_cache_summary, tpot
 from bench.runner import BenchConfig, BenchResult, RunRecord, rate_label
 from bench.trace import trace_summary
 from bench.workload import RequestSpec
@@ -132,6 +135,8 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
         "ignore_eos": c.ignore_eos,
         "timeout_s": c.timeout_s,
         "warmups": cfg.warmups,
+        "shared_prefix_len": cfg.shared_prefix_len,
+        "multi_turn": cfg.multi_turn,
     }
 
 
@@ -147,6 +152,7 @@ def _run_entry(run: RunRecord) -> dict[str, Any]:
         "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
         "errors": error_counts(run.results),
         "trace": trace_summary(run.trace, run.metrics["completed"]),
+        "prefix_cache": prefix_cache_summary(run.results),
     }
 
 
@@ -193,6 +199,8 @@ def _write_requests(path: Path, runs: list[RunRecord]) -> None:
                     "max_tokens": r.max_tokens,
                     "output_tokens": r.output_tokens,
                     "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "turn": r.turn,
                     "target_input_len": r.target_input_len,
                 }
                 f.write(json.dumps(line) + "\n")
@@ -318,6 +326,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 for run in runs
             ],
         )
+    lines += _prefix_cache_markdown(runs)
     lines += _comparison_markdown(report["comparison"])
     lines += _pictures_markdown(report)
     errors = [(run, msg, n) for run in runs for msg, n in run["errors"].items()]
@@ -352,6 +361,35 @@ def _headline(rows: list[dict[str, Any]]) -> list[str]:
                 + ", ".join(parts)
             )
     return [*lines, ""] if lines else []
+
+
+def _prefix_cache_markdown(runs: list[dict[str, Any]]) -> list[str]:
+    """The prefix cache hit rate per run (from usage), and TTFT by turn for conversations."""
+    caches = [run.get("prefix_cache") or {} for run in runs]
+    if not any(c.get("hit_rate") is not None or c.get("ttft_ms_later_turns") for c in caches):
+        return []
+    rows = []
+    for run, cache in zip(runs, caches, strict=True):
+        rate = cache.get("hit_rate")
+        first, later = (
+            cache.get("ttft_ms_first_turns") or {},
+            cache.get("ttft_ms_later_turns") or {},
+        )
+        rows.append(
+            [
+                run["arm"],
+                _rate(run["rate"]),
+                "-" if rate is None else f"{100 * rate:.1f}%",
+                _fmt(cache.get("cached_tokens")),
+                _fmt(cache.get("prompt_tokens")),
+                _fmt(first.get("p50")),
+                _fmt(later.get("p50")),
+            ]
+        )
+    header = ["arm", "rate", "cache hit rate", "cached tokens", "prompt tokens"]
+    header += ["p50 TTFT turn 1 (ms)", "p50 TTFT later turns (ms)"]
+    intro = "Prompt tokens served from the server's prefix cache (usage `cached_tokens`)."
+    return ["## Prefix cache", "", intro, "", *_table(header, rows)]
 
 
 def _comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:

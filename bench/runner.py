@@ -24,7 +24,7 @@ from tqdm import tqdm
 from bench.client import ClientConfig, RequestResult, RunOutcome, run_requests
 from bench.metrics import Slo, compute_metrics
 from bench.trace import ArmTrace, fetch_trace, server_root
-from bench.workload import LengthDist, RequestSpec, arrival_offsets
+from bench.workload import LengthDist, RequestSpec, arrival_offsets, num_arrivals, spread_offsets
 
 DEFAULT_ARM = "default"
 
@@ -48,6 +48,8 @@ class BenchConfig:
     progress: bool = True
     fetch_trace: bool = True
     warmups: int = 0
+    shared_prefix_len: int = 0
+    multi_turn: int = 1
 
 
 @dataclass
@@ -88,7 +90,8 @@ async def run_bench(cfg: BenchConfig, specs: list[RequestSpec]) -> BenchResult:
     runs: list[RunRecord] = []
     try:
         for rate in cfg.rates:
-            offsets = arrival_offsets(len(specs), rate, cfg.burstiness, cfg.seed)
+            arrivals = arrival_offsets(num_arrivals(specs), rate, cfg.burstiness, cfg.seed)
+            offsets = spread_offsets(specs, arrivals)
             for arm in cfg.arms:
                 runs.append(await _run_one(cfg, specs, offsets, arm, rate, stop))
                 if stop.is_set():
@@ -108,7 +111,8 @@ async def _run_one(
 ) -> RunRecord:
     name = arm if arm is not None else DEFAULT_ARM
     if cfg.warmups:
-        warmup = [specs[i % len(specs)] for i in range(cfg.warmups)]
+        firsts = [spec for spec in specs if spec.turn == 1]
+        warmup = [firsts[i % len(firsts)] for i in range(cfg.warmups)]
         await run_requests(cfg.client, warmup, [0.0] * len(warmup), arm, stop)
     bar = tqdm(
         total=len(specs),
