@@ -20,7 +20,10 @@ from bench.replay import load_records, replay_workload
 from bench.runner import BenchConfig, BenchResult, rate_label, run_bench
 from bench.workload import (
     PRESETS,
+    DatasetEntry,
     RequestSpec,
+    add_shared_prefix,
+    build_conversations,
     build_workload,
     load_dataset,
     parse_dist,
@@ -223,6 +226,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every arm N times (repeat r with seed + r, arm order reversed on odd "
         "repeats); the verdict then resamples runs as well as requests (default: 1)",
     )
+    sharing = parser.add_argument_group("prefix sharing (for prefix caches)")
+    sharing.add_argument(
+        "--shared-prefix-len",
+        type=_arg_type(_non_negative_int, "words"),
+        default=0,
+        metavar="N",
+        help="every conversation starts with the same N-word system prompt (about N tokens)",
+    )
+    sharing.add_argument(
+        "--multi-turn",
+        type=_arg_type(_positive_int, "turns"),
+        default=1,
+        metavar="K",
+        help="conversations of K turns (--num-requests conversations): each turn is sent "
+        "when the previous answer arrived, resending the history (default: 1)",
+    )
 
     out = parser.add_argument_group("report")
     out.add_argument(
@@ -318,6 +337,8 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
         warmups=args.warmups,
         repeats=args.repeats,
         num_resamples=args.resamples,
+        shared_prefix_len=args.shared_prefix_len,
+        multi_turn=args.multi_turn,
     )
 
 
@@ -347,6 +368,22 @@ def _replay_config(args: argparse.Namespace) -> tuple[BenchConfig, list[RequestS
     return cfg, workload.specs
 
 
+def sharing_workload(
+    cfg: BenchConfig, dataset: list[DatasetEntry] | None, seed: int
+) -> list[RequestSpec]:
+    """The requests of a run (drawn with `seed`), with `--multi-turn` conversations and a
+    `--shared-prefix-len` system prompt when asked."""
+    if cfg.multi_turn > 1:
+        specs = build_conversations(
+            cfg.num_requests, cfg.multi_turn, cfg.input_len, cfg.output_len, seed
+        )
+    else:
+        specs = build_workload(cfg.num_requests, cfg.input_len, cfg.output_len, seed, dataset)
+    if cfg.shared_prefix_len:
+        specs = add_shared_prefix(specs, cfg.shared_prefix_len, cfg.seed)
+    return specs
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the bench; 0 on success, 1 when no request completed, 130 when interrupted."""
     if not args.model and not args.replay:
@@ -360,10 +397,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             num_requests = args.num_requests or (len(dataset) if dataset else 100)
             cfg = build_config(args, num_requests)
-            workloads = [
-                build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed + r, dataset)
-                for r in range(cfg.repeats)
-            ]
+            if dataset and args.multi_turn > 1:
+                raise ValueError("--multi-turn generates its own prompts (no --dataset)")
+            workloads = [sharing_workload(cfg, dataset, cfg.seed + r) for r in range(cfg.repeats)]
     except (OSError, ValueError) as exc:
         print(f"carousel bench: {exc}", file=sys.stderr)
         return EXIT_USAGE

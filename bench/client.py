@@ -8,6 +8,7 @@ is sent (after any `--max-concurrency` wait, as in vLLM's bench) and stops when 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -63,7 +64,12 @@ class RequestResult:
     num_chunks: int = 0
     usage_output_tokens: int | None = None
     prompt_tokens: int | None = None
+    #: of the prompt tokens, those the server served from its prefix cache (usage's
+    #: `prompt_tokens_details.cached_tokens`; None when it does not say)
+    cached_tokens: int | None = None
     target_input_len: int | None = None
+    turn: int | None = None  # multi-turn: this request's turn in its conversation
+    text: str = ""  # the answer as received (a conversation's next turn resends it)
     success: bool = False
     cancelled: bool = False
     error: str | None = None
@@ -245,9 +251,16 @@ async def send_request(
                 if usage is not None:
                     result.usage_output_tokens = _count(usage.get("completion_tokens"))
                     result.prompt_tokens = _count(usage.get("prompt_tokens"))
+                    details = usage.get("prompt_tokens_details") or usage.get(
+                        "input_tokens_details"
+                    )
+                    if isinstance(details, dict):
+                        result.cached_tokens = _count(details.get("cached_tokens"))
                     if endpoint == "responses":
                         break  # the final event: the Responses stream has no [DONE]
-                if chunk_text(chunk, endpoint):
+                text = chunk_text(chunk, endpoint)
+                if text:
+                    result.text += text
                     if last_content is None:
                         result.ttft = now - start
                     else:
@@ -284,18 +297,32 @@ async def run_requests(
     """Send `specs[i]` at `offsets[i]` seconds after the start; stop early when `stop` is set.
 
     On `stop`, no new request is sent and the in-flight ones are cancelled (their streams
-    closed, so the server can abort them) and marked `cancelled`.
+    closed, so the server can abort them) and marked `cancelled`. The later turns of a
+    conversation (`spec.turn > 1`) are not scheduled: each is sent as soon as the previous
+    turn's answer arrived, with the history before it; a failed turn ends its conversation.
     """
     results = [
-        RequestResult(s.index, s.max_tokens, target_input_len=s.target_input_len) for s in specs
+        RequestResult(
+            s.index,
+            s.max_tokens,
+            target_input_len=s.target_input_len,
+            turn=s.turn if s.conversation is not None else None,
+        )
+        for s in specs
     ]
+    later_turns: dict[int, list[tuple[RequestSpec, RequestResult]]] = {}
+    for spec, result in zip(specs, results, strict=True):
+        if spec.conversation is not None:
+            turns = later_turns.setdefault(spec.conversation, [])
+            if spec.turn > 1:
+                turns.append((spec, result))
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
 
-        async def one(spec: RequestSpec, result: RequestResult) -> None:
+        async def send(spec: RequestSpec, result: RequestResult) -> None:
             if semaphore is None:
                 await send_request(client, cfg, spec, arm, result, t0)
             else:
@@ -304,11 +331,25 @@ async def run_requests(
             if on_done is not None:
                 on_done(result)
 
+        async def one(spec: RequestSpec, result: RequestResult) -> None:
+            await send(spec, result)
+            history = spec.as_messages()
+            conversation = spec.conversation
+            for next_spec, next_result in [] if conversation is None else later_turns[conversation]:
+                if not result.success:
+                    return
+                history = [*history, {"role": "assistant", "content": result.text}]
+                history += next_spec.as_messages()
+                spec, result = dataclasses.replace(next_spec, messages=history), next_result
+                await send(spec, result)
+
         start_wall = time.time()
         t0 = time.perf_counter()
         tasks: list[asyncio.Task[None]] = []
         stop_task = asyncio.create_task(stop.wait())
         for spec, result, offset in zip(specs, results, offsets, strict=True):
+            if spec.turn > 1:
+                continue  # sent by its conversation, after the turn before it
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.wait({stop_task}, timeout=delay)

@@ -150,3 +150,25 @@ def error_counts(results: list[RequestResult], limit: int = 10) -> dict[str, int
             counts[r.error] = counts.get(r.error, 0) + 1
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
     return dict(top)
+
+
+def prefix_cache_summary(results: list[RequestResult]) -> dict[str, Any]:
+    """How much of the prompts the server's prefix cache served, over completed requests.
+
+    `hit_rate` = cached / prompt tokens, both from usage (`prompt_tokens_details.
+    cached_tokens`); None when the server reported no cached counts. With multi-turn
+    conversations, TTFT of first turns and of later turns (ms), apart.
+    """
+    done = [r for r in results if r.success and r.prompt_tokens is not None]
+    reported = [r for r in done if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens or 0 for r in reported)
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    first = [r.ttft for r in done if r.turn == 1 and r.ttft is not None]
+    later = [r.ttft for r in done if r.turn is not None and r.turn > 1 and r.ttft is not None]
+    return {
+        "hit_rate": cached / prompt if reported and prompt else None,
+        "cached_tokens": cached if reported else None,
+        "prompt_tokens": prompt if reported else None,
+        "ttft_ms_first_turns": summarize(first) if later else None,
+        "ttft_ms_later_turns": summarize(later) if later else None,
+    }

@@ -7,14 +7,17 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
       "config": {"url", "model", "endpoint", "arms", "num_requests", "rates", "burstiness",
                  "input_len", "output_len", "dataset", "seed", "max_concurrency",
                  "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups",
-                 "repeats", "resamples", "replay": null | {"files", "time_scale", ...}},
+                 "repeats", "resamples", "replay": null | {"files", "time_scale", ...},
+                 "shared_prefix_len", "multi_turn"},
       "workload": {"num_requests", "mean_target_input_len", "mean_max_tokens"},
       "runs": [{"arm", "rate", "repeat", "start_time", "end_time", "interrupted",
                 "metrics": {see metrics.compute_metrics}, "mean_prompt_tokens",
                 "errors": {message: count},
                 "trace": {"available", "note", "num_iterations", "max_num_seqs",
                           "mean_batch_size", "seat_occupancy", "num_preempted",
-                          "truncated"}}],
+                          "truncated"},
+                "prefix_cache": {"hit_rate", "cached_tokens", "prompt_tokens",
+                                 "ttft_ms_first_turns", "ttft_ms_later_turns"}}],
       "comparison": [{"rate", "metric", "label", "unit", "baseline", "arm",
                       "baseline_value", "arm_value", "diff", "ci95", "diff_abs", "ci95_abs",
                       "significant", "better", "n_baseline", "n_arm", "method", "note",
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.comparison import bench_comparison, verdict_markdown
-from bench.metrics import compute_metrics, error_counts, tpot
+from bench.metrics import compute_metrics, error_counts, prefix_cache_summary, tpot
 from bench.runner import BenchConfig, BenchResult, RunRecord, rate_label
 from bench.trace import trace_summary
 from bench.workload import RequestSpec
@@ -170,6 +173,8 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
         "repeats": cfg.repeats,
         "resamples": cfg.num_resamples,
         "replay": cfg.replay,
+        "shared_prefix_len": cfg.shared_prefix_len,
+        "multi_turn": cfg.multi_turn,
     }
 
 
@@ -186,6 +191,7 @@ def _run_entry(run: RunRecord) -> dict[str, Any]:
         "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
         "errors": error_counts(run.results),
         "trace": trace_summary(run.trace, run.metrics["completed"]),
+        "prefix_cache": prefix_cache_summary(run.results),
     }
 
 
@@ -233,6 +239,8 @@ def _write_requests(path: Path, runs: list[RunRecord]) -> None:
                     "max_tokens": r.max_tokens,
                     "output_tokens": r.output_tokens,
                     "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "turn": r.turn,
                     "target_input_len": r.target_input_len,
                 }
                 f.write(json.dumps(line) + "\n")
@@ -392,6 +400,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 for run in runs
             ],
         )
+    lines += _prefix_cache_markdown(runs)
     lines += _comparison_markdown(report["ratios"])
     lines += _pictures_markdown(report)
     errors = [(run, msg, n) for run in runs for msg, n in run["errors"].items()]
@@ -421,6 +430,35 @@ def _headline(entries: list[dict[str, Any]]) -> list[str]:
         answer = "; ".join(found) if found else "no significant difference in any metric"
         lines.append(f"- **{arm}** against **{baseline}** at {_rate(rate)} req/s: {answer}")
     return [*lines, "", "The verdict, metric by metric, closes this report.", ""] if lines else []
+
+
+def _prefix_cache_markdown(runs: list[dict[str, Any]]) -> list[str]:
+    """The prefix cache hit rate per run (from usage), and TTFT by turn for conversations."""
+    caches = [run.get("prefix_cache") or {} for run in runs]
+    if not any(c.get("hit_rate") is not None or c.get("ttft_ms_later_turns") for c in caches):
+        return []
+    rows = []
+    for run, cache in zip(runs, caches, strict=True):
+        rate = cache.get("hit_rate")
+        first, later = (
+            cache.get("ttft_ms_first_turns") or {},
+            cache.get("ttft_ms_later_turns") or {},
+        )
+        rows.append(
+            [
+                run["arm"],
+                _rate(run["rate"]),
+                "-" if rate is None else f"{100 * rate:.1f}%",
+                _fmt(cache.get("cached_tokens")),
+                _fmt(cache.get("prompt_tokens")),
+                _fmt(first.get("p50")),
+                _fmt(later.get("p50")),
+            ]
+        )
+    header = ["arm", "rate", "cache hit rate", "cached tokens", "prompt tokens"]
+    header += ["p50 TTFT turn 1 (ms)", "p50 TTFT later turns (ms)"]
+    intro = "Prompt tokens served from the server's prefix cache (usage `cached_tokens`)."
+    return ["## Prefix cache", "", intro, "", *_table(header, rows)]
 
 
 def _comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:

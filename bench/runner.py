@@ -29,7 +29,7 @@ from tqdm import tqdm
 from bench.client import ClientConfig, RequestResult, RunOutcome, run_requests
 from bench.metrics import Slo, compute_metrics
 from bench.trace import ArmTrace, fetch_trace, server_root
-from bench.workload import LengthDist, RequestSpec, arrival_offsets
+from bench.workload import LengthDist, RequestSpec, arrival_offsets, num_arrivals, spread_offsets
 
 DEFAULT_ARM = "default"
 
@@ -58,6 +58,8 @@ class BenchConfig:
     #: a replay's send times (seconds after the start), instead of arrivals drawn at a rate
     offsets: list[float] | None = None
     replay: dict[str, Any] | None = None  # what report.json says about the replay
+    shared_prefix_len: int = 0
+    multi_turn: int = 1
 
 
 @dataclass
@@ -107,9 +109,13 @@ async def run_bench(cfg: BenchConfig, workloads: Sequence[list[RequestSpec]]) ->
         for rate in cfg.rates:
             for repeat in range(cfg.repeats):
                 specs = workloads[repeat % len(workloads)]
-                offsets = cfg.offsets or arrival_offsets(
-                    len(specs), rate, cfg.burstiness, cfg.seed + repeat
-                )
+                if cfg.offsets is not None:
+                    offsets = cfg.offsets
+                else:
+                    arrivals = arrival_offsets(
+                        num_arrivals(specs), rate, cfg.burstiness, cfg.seed + repeat
+                    )
+                    offsets = spread_offsets(specs, arrivals)
                 arms = cfg.arms if repeat % 2 == 0 else cfg.arms[::-1]
                 for arm in arms:
                     record = await _run_one(cfg, specs, offsets, arm, rate, stop)
@@ -132,7 +138,8 @@ async def _run_one(
 ) -> RunRecord:
     name = arm_name(arm)
     if cfg.warmups:
-        warmup = [specs[i % len(specs)] for i in range(cfg.warmups)]
+        firsts = [spec for spec in specs if spec.turn == 1]
+        warmup = [firsts[i % len(firsts)] for i in range(cfg.warmups)]
         await run_requests(cfg.client, warmup, [0.0] * len(warmup), arm, stop)
     bar = tqdm(
         total=len(specs),

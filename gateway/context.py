@@ -42,6 +42,8 @@ class RequestContext:
     arm: str | None = None
     scheduler: str | None = None
     prompt_tokens: int = 0
+    #: of the prompt tokens, those the prefix cache served (first choice of each prompt)
+    cached_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
@@ -94,6 +96,7 @@ class RequestContext:
             "stream": self.stream,
             "status": status,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "total_s": round(total_s, 6),

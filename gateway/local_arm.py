@@ -151,4 +151,12 @@ class LocalArm(Arm):
         if self._runtime is None:
             return None
         engine = self._runtime.engine
-        return ArmGauges(model, self.name, engine.num_running, engine.num_waiting, engine.kv_usage)
+        bm = engine.block_manager
+        return ArmGauges(
+            model,
+            self.name,
+            engine.num_running,
+            engine.num_waiting,
+            engine.kv_usage,
+            bm.num_cached_blocks / bm.num_blocks,
+        )

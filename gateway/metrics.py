@@ -36,6 +36,8 @@ class ArmGauges:
     num_running: int
     num_waiting: int
     kv_usage: float
+    #: KV blocks no sequence holds that keep a cached prefix, as a share of all blocks
+    kv_cached: float = 0.0
 
 
 class _ArmCollector(Collector):
@@ -52,6 +54,11 @@ class _ArmCollector(Collector):
             ),
             "kv_usage": GaugeMetricFamily(
                 "carousel_kv_cache_usage_perc", "KV cache usage (0..1)", labels=["model", "arm"]
+            ),
+            "kv_cached": GaugeMetricFamily(
+                "carousel_prefix_cache_blocks_perc",
+                "KV blocks no sequence holds that keep a cached prefix for reuse (0..1)",
+                labels=["model", "arm"],
             ),
         }
         for gauges in self._read():
@@ -181,6 +188,14 @@ class GatewayMetrics:
             "carousel_shadow_requests_dropped",
             "Copies for a shadow arm dropped because its queue was full",
         )
+        self.prefix_cache_queries = counter(
+            "carousel_prefix_cache_queries",
+            "Tokens of the sequences admitted, looked up in the prefix cache",
+        )
+        self.prefix_cache_hits = counter(
+            "carousel_prefix_cache_hits",
+            "Tokens of the sequences admitted, served from the prefix cache",
+        )
         if arm_gauges is not None:
             self.registry.register(_ArmCollector(arm_gauges))
         if arm_info is not None:  # not wired: no carousel_arm_info series at all
@@ -217,6 +232,10 @@ class GatewayMetrics:
         preemptions = self.preemptions.labels(model, arm)
         iterations = self.iterations.labels(model, arm)
         queue_time = self.queue_time.labels(model, arm)
+        queries = self.prefix_cache_queries.labels(model, arm)
+        hits = self.prefix_cache_hits.labels(model, arm)
+        block_manager = engine.block_manager
+        seen = [block_manager.prefix_cache_queries, block_manager.prefix_cache_hits]
 
         def on_iteration(record: IterationRecord) -> None:
             iterations.inc()
@@ -224,6 +243,11 @@ class GatewayMetrics:
             tokens.observe(record.num_tokens)
             if record.num_preempted:
                 preemptions.inc(record.num_preempted)
+            now = [block_manager.prefix_cache_queries, block_manager.prefix_cache_hits]
+            if now != seen:
+                queries.inc(now[0] - seen[0])
+                hits.inc(now[1] - seen[1])
+                seen[:] = now
 
         def on_finish(seq: Sequence) -> None:
             if seq.first_scheduled_time is not None:

@@ -183,7 +183,7 @@ def _body(
         created=ctx.created,
         model=ctx.model,
         choices=choices,
-        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens),
+        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens, ctx.cached_tokens),
     )
 
 
@@ -226,6 +226,8 @@ async def _chunks(
                 )
                 yield chunk([final])
         if include_usage:
-            yield chunk([], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens))
+            yield chunk(
+                [], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
+            )
     finally:
         stream.close()

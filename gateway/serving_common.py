@@ -321,6 +321,8 @@ def record_output(ctx: RequestContext, output: RequestOutput) -> None:
         ctx.completion_tokens += len(output.token_ids)  # NOTE: so aborted requests count too
     if output.finished and output.finish_reason is not None:
         ctx.finish_reasons.append(output.finish_reason)
+        if output.index == 0:  # NOTE: prompt_tokens counts each prompt once; so does this
+            ctx.cached_tokens += output.num_cached_tokens
 
 
 def accept_output(runtime: EngineRuntime, ctx: RequestContext, output: RequestOutput) -> None:

@@ -141,7 +141,7 @@ def _body(
         created=ctx.created,
         model=ctx.model,
         choices=choices,
-        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens),
+        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens, ctx.cached_tokens),
     )
 
 
@@ -185,6 +185,8 @@ async def _chunks(
                 final = CompletionChoice(index=index, text="", finish_reason=output.finish_reason)
                 yield chunk([final])
         if include_usage:
-            yield chunk([], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens))
+            yield chunk(
+                [], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
+            )
     finally:
         stream.close()

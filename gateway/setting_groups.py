@@ -57,6 +57,9 @@ class CacheSettings(BaseModel):
     kv_cache_gb: float | None = Field(
         None, gt=0, description="KV cache size in GiB (default: planned from the device)"
     )
+    enable_prefix_caching: bool = Field(
+        False, description="reuse the KV of full blocks of earlier prompts and outputs"
+    )
 
 
 class SchedulerSettings(BaseModel):
@@ -64,7 +67,7 @@ class SchedulerSettings(BaseModel):
 
     scheduler: str = Field(
         "orca",
-        description="batching policy: orca, static, another registered name, or "
+        description="batching policy: orca, static, lpm, another registered name, or "
         "package.module:ClassName (default: orca)",
     )
     max_num_seqs: int = Field(32, ge=1, description="most sequences in one batch")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from schedulers.batch import Batch, ExecuteOutput
-from schedulers.block_manager import BlockManager, blocks_for
+from schedulers.block_manager import BlockManager, PrefixHit, blocks_for
 from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence, SequenceStatus
 
 
@@ -22,6 +22,8 @@ class SchedulerConfig:
     its backend serves and hands the policy a config where it is always set.
     `max_queue_wait_s`: a sequence never scheduled this long after it arrived is finished
     with an error (`error_code` `queue_timeout`) instead of waiting on; None: no limit.
+    `enable_prefix_caching`: the engine's block manager keeps the KV of full blocks for
+    later sequences starting with the same tokens (admission starts them after the hit).
     """
 
     max_num_seqs: int = 32
@@ -29,6 +31,7 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = False
     max_queue_wait_s: float | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -79,7 +82,7 @@ class Scheduler(abc.ABC):
         self.num_preemptions = 0
         self._iteration = 0
 
-    # -- admission ---------------------------------------------------------------------------
+    # -- requests in and out -------------------------------------------------------------------
 
     def check_admissible(self, seq: Sequence) -> None:
         """Raise AdmissionError when `seq` could never run, even alone."""
@@ -147,6 +150,68 @@ class Scheduler(abc.ABC):
             seq.error_code = QUEUE_TIMEOUT
         return expired
 
+    # -- admission (shared by every policy) ------------------------------------------------
+
+    def prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix `seq` (waiting, holding no blocks) can start from now.
+
+        NO_HIT with prefix caching off. Valid until the block manager next changes: look it
+        up just before `admit`.
+        """
+        return self.block_manager.computed_prefix(seq)
+
+    def waits_for_leader(self, seq: Sequence) -> bool:
+        """Whether a later choice of an `n > 1` request should not start yet.
+
+        With prefix caching on, choice i > 0 waits until choice 0 (its leader) has computed
+        the prompt blocks they would share, then starts from them: the prompt is prefilled
+        once. It does not wait when its leader has finished or there is no full block to share.
+        """
+        leader = seq.leader
+        if leader is None or leader.is_finished or not self.block_manager.enable_prefix_caching:
+            return False
+        block_size = self.block_manager.block_size
+        shareable = (seq.num_prompt_tokens - 1) // block_size * block_size
+        return leader.num_computed_tokens < shareable
+
+    def admit(self, seq: Sequence, hit: PrefixHit, num_tokens: int, batch: Batch) -> None:
+        """Start `seq` from its cached prefix: THE admission step of every policy.
+
+        Takes a reference on each block of `hit` (from `prefix_hit`, looked up since the
+        block manager last changed), sets `num_computed_tokens` to the end of the hit and
+        allocates blocks for the `num_tokens` tokens after it. Moves `seq` to `running` when
+        it is still waiting. The caller has checked that the blocks fit.
+        """
+        self.block_manager.allocate(seq, hit.num_tokens + num_tokens, hit)
+        batch.num_cached_tokens += hit.num_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hit.num_tokens
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def admit_for_step(self, seq: Sequence, budget: int, batch: Batch) -> int:
+        """Iteration-level admission (orca, lpm): start `seq` from its longest cached prefix
+        and schedule the rest of its tokens (a chunk of them under the token budget when
+        chunked prefill is on, or when the batch is still empty). Returns the tokens scheduled,
+        0 when `seq` does not fit this step (then nothing changed).
+
+        A preempted sequence comes back this way too: its full blocks stayed cached, so it
+        recomputes only what was evicted meanwhile.
+        """
+        hit = self.prefix_hit(seq)
+        num_tokens = seq.num_tokens - hit.num_tokens
+        if num_tokens > budget:
+            if not (self.config.enable_chunked_prefill or batch.is_empty):
+                return 0
+            num_tokens = budget
+        if not self.block_manager.can_allocate(seq, hit.num_tokens + num_tokens, hit):
+            return 0
+        self.admit(seq, hit, num_tokens, batch)
+        batch.add(seq, num_tokens)
+        return num_tokens
+
     # -- the iteration -----------------------------------------------------------------------
 
     def schedule(self) -> Batch:
@@ -172,6 +237,7 @@ class Scheduler(abc.ABC):
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(seq)
             sampled = output.sampled.get(seq.seq_id)
             if sampled is None:
                 continue

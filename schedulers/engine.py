@@ -82,7 +82,11 @@ class Engine:
         spec = backend.kv_cache_spec
         self.backend = backend
         self.name = name
-        self.block_manager = BlockManager(spec.num_blocks, spec.block_size)
+        self.block_manager = BlockManager(
+            spec.num_blocks,
+            spec.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
         self.scheduler = create_scheduler(
             scheduler, self.config, self.block_manager, policy_options
         )
@@ -187,7 +191,7 @@ class Engine:
     def _make_seqs(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
     ) -> list[Sequence]:
-        seqs = []
+        seqs: list[Sequence] = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq_params = dataclasses.replace(params, seed=seed, n=1)
@@ -200,6 +204,7 @@ class Engine:
                     index=index,
                     eos_token_ids=self.backend.eos_token_ids,
                     priority=priority,
+                    leader=seqs[0] if seqs else None,
                 )
             )
         return seqs
@@ -324,6 +329,7 @@ class Engine:
             error_code=seq.error_code if final else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
@@ -379,6 +385,7 @@ class Engine:
             request_ids=tuple(s.request_id for s in batch.seqs),
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=batch.num_decode_tokens,
+            num_cached_tokens=batch.num_cached_tokens,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(batch.preempted),

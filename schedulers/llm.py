@@ -27,6 +27,8 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    #: prompt tokens the prefix cache served when this choice was admitted
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -109,6 +111,7 @@ class LLM:
                 choice.logprobs += out.logprobs
                 if out.finished:
                     choice.finish_reason, choice.error = out.finish_reason, out.error
+                    choice.num_cached_tokens = out.num_cached_tokens
         return result
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:

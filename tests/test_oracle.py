@@ -49,11 +49,12 @@ def run_engine(
     scheduler: str,
     config: SchedulerConfig,
     policy_options: dict[str, float] | None = None,
+    delays_s: list[float] = DELAYS_S,
 ) -> tuple[list[list[int]], LLM]:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     llm = LLM(backend, scheduler, config, policy_options)
     try:
-        gens = llm.generate(prompts(), params, delays_s=DELAYS_S)
+        gens = llm.generate(prompts(), params, delays_s=delays_s)
     finally:
         llm.close()
     return [g.choices[0].token_ids for g in gens], llm
@@ -113,7 +114,9 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(
     # KV for one 80-token context (20 blocks), far less than the prompts need together
     backend = make_backend(model, max_num_seqs=1, max_model_len=80)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True)
-    outputs, llm = run_engine(backend, "orca", config)
+    # NOTE: all submitted at once, so they surely compete for the KV (staggered arrivals can
+    # finish early ones first on a fast, idle machine, and then nothing is preempted)
+    outputs, llm = run_engine(backend, "orca", config, delays_s=[0.0] * len(DELAYS_S))
     assert outputs == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -243,5 +243,5 @@ def test_abort_frees_blocks_of_running_and_waiting(name: str) -> None:
 
 
 def test_unknown_scheduler_name_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="available: orca, static"):
+    with pytest.raises(ValueError, match="available: lpm, orca, static"):
         make_scheduler("fifo")

@@ -52,7 +52,7 @@ def test_help_groups_the_flags() -> None:
     for group in ("model", "cache", "scheduler", "engine", "server"):
         assert any(t.startswith(f"{group}:") for t in titles), titles
     policy = next(g for g in serve._action_groups if "policy options" in (g.title or ""))
-    assert [a.dest for a in policy._group_actions] == ["batch_wait_ms"]
+    assert sorted(a.dest for a in policy._group_actions) == ["batch_wait_ms", "max_skips"]
 
 
 def test_a_policy_option_comes_from_flags_env_yaml_and_reaches_its_policy(
@@ -85,11 +85,11 @@ def _engine_of(settings: Settings) -> Engine:
     ("yaml_text", "needle"),
     [
         ("max_num_seq: 8\n", "did you mean 'max_num_seqs'"),
-        ("scheduler: fifo\n", "available: orca, static"),
+        ("scheduler: fifo\n", "available: lpm, orca, static"),
         ("batch_wait_ms: -1\n", "batch_wait_ms must be at least 0"),
         ("max_num_seqs: 0\n", "max_num_seqs"),
         ("arms:\n  - name: a\n    max_num_seq: 3\n", "did you mean 'max_num_seqs'"),
-        ("arms:\n  - name: a\n    scheduler: fifo\n", "available: orca, static"),
+        ("arms:\n  - name: a\n    scheduler: fifo\n", "available: lpm, orca, static"),
     ],
 )
 def test_bad_settings_are_refused_naming_what_is_valid(
@@ -146,7 +146,7 @@ def test_serve_refuses_an_unknown_scheduler_before_opening_the_port() -> None:
     began = time.monotonic()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "unknown scheduler 'fifo'" in result.stderr and "orca, static" in result.stderr
+    assert "unknown scheduler 'fifo'" in result.stderr and "lpm, orca, static" in result.stderr
     assert "Uvicorn running" not in result.stderr + result.stdout
     assert time.monotonic() - began < 30
 
