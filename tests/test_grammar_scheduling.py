@@ -460,3 +460,95 @@ def test_a_backend_that_cannot_mask_refuses_a_grammar(compiled: CompiledGrammar)
         assert refused.value.code == "structured_outputs_unsupported"
     finally:
         engine.stop()
+
+
+# -- the engine over the default model --------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role"],
+}
+QUESTIONS = [
+    "Describe a fictional person as JSON.",
+    "Who is the admin of this website? Answer in JSON.",
+    "Give me a user profile.",
+    "Make up somebody, with a few tags.",
+]
+
+
+def chat_prompt(tokenizer: Any, question: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    return list(rendered["input_ids"]) if hasattr(rendered, "keys") else list(rendered)
+
+
+@pytest.fixture(scope="module")
+def default_backend() -> TorchBackend:
+    return TorchBackend.load("default", device="cpu", kv_cache_gb=0.25, max_model_len=512)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("policy", ["orca", "static"])
+def test_default_model_schema_outputs_validate_at_temperature_1(
+    default_backend: TorchBackend, policy: str
+) -> None:
+    tokenizer = default_backend.tokenizer
+    options = {"batch_wait_ms": 50.0} if policy == "static" else None
+    with LLM(default_backend, policy, SchedulerConfig(max_num_seqs=8), options) as llm:
+        grammar = compile_schema(llm, PERSON)
+        params = [
+            SamplingParams(max_tokens=120, temperature=1.0, seed=seed, n=2, grammar=grammar)
+            for seed in range(len(QUESTIONS))
+        ]
+        free = SamplingParams(max_tokens=16, temperature=1.0, seed=0, ignore_eos=True)
+        prompts_ = [chat_prompt(tokenizer, q) for q in QUESTIONS]
+        gens = llm.generate([*prompts_, prompts_[0]], [*params, free])
+        eos = tokenizer.eos_token_id
+        for gen in gens[:-1]:
+            for choice in gen.choices:
+                assert_valid(choice, PERSON, eos)
+        assert len(gens[-1].choices[0].token_ids) == 16
+        assert all_blocks_free(llm)
+
+
+@pytest.mark.real_model
+def test_default_model_schema_outputs_survive_chunked_prefill_preemption_and_abort() -> None:
+    # KV for one 256-token context: four ~150-token requests must preempt one another
+    backend = TorchBackend.load(
+        "default", device="cpu", kv_cache_gb=0.25, max_model_len=256, max_num_seqs=1
+    )
+    tokenizer = backend.tokenizer
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, enable_chunked_prefill=True)
+    with LLM(backend, "orca", config) as llm:
+        grammar = compile_schema(llm, PERSON)
+        endless = compile_schema(
+            llm, {"type": "array", "items": {"type": "integer"}, "minItems": 99}
+        )
+        aborted = Collected()
+        llm.engine.submit(
+            "aborted",
+            chat_prompt(tokenizer, "Count."),
+            SamplingParams(max_tokens=150, temperature=1.0, grammar=endless),
+            aborted,
+        )
+        deadline = time.monotonic() + 60
+        while len(aborted.token_ids) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        llm.engine.abort("aborted")
+        params = [
+            SamplingParams(max_tokens=120, temperature=1.0, seed=seed, grammar=grammar)
+            for seed in range(len(QUESTIONS))
+        ]
+        gens = llm.generate([chat_prompt(tokenizer, q) for q in QUESTIONS], params)
+        for gen in gens:
+            assert_valid(gen.choices[0], PERSON, tokenizer.eos_token_id)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert aborted.done.wait(30)
+        assert soon_all_blocks_free(llm)
