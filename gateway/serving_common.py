@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -30,6 +31,7 @@ from gateway.errors import (
     unsupported,
 )
 from gateway.protocol import MAX_ARRAY_ITEMS, MAX_STOP_SEQUENCES, SamplingRequest
+from gateway.tool_calls import template_renders_tools
 from schedulers.base import AdmissionError
 from schedulers.client import RequestStream
 from schedulers.client import open_stream as open_engine_stream
@@ -87,6 +89,16 @@ class EngineRuntime:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    @property
+    def grammar_compiler(self) -> Any:
+        """The arm's `GrammarCompiler` (None: this backend cannot constrain outputs)."""
+        return getattr(self.engine, "grammar_compiler", None)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows `tools=` itself (else the tool prompt does)."""
+        return template_renders_tools(self.tokenizer)
+
 
 @dataclass
 class ChoiceResult:
@@ -119,7 +131,7 @@ def log_ignored_fields(request: SamplingRequest, ctx: RequestContext) -> None:
 
 
 def check_stream_options(request: SamplingRequest) -> None:
-    if request.stream_options is not None and not request.stream:
+    if getattr(request, "stream_options", None) is not None and not request.stream:
         raise invalid("stream_options is only allowed when stream is true.", "stream_options")
 
 
