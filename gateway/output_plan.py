@@ -165,7 +165,7 @@ def start_compile(compiler: Any, plan: OutputPlan) -> PendingGrammar:
             "This model's backend cannot constrain its output (no grammar compiler), so it "
             "serves neither structured outputs nor tools.",
             plan.spec_param,
-            "unsupported_parameter",
+            "structured_outputs_unsupported",
         )
     future: Future[CompiledGrammar | GrammarError] = compiler.submit(plan.spec)
     return future

@@ -12,7 +12,12 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import SIM_MODEL, LiveServer, error_of, sim_arm
+from backends.upstream import UpstreamConfig
+from gateway.app import create_app
+from gateway.deployment import Deployment
+from gateway.settings import Settings
+from gateway.upstream_arm import UpstreamArm
+from tests.conftest import SIM_MODEL, LiveServer, error_of, serve_app, sim_arm
 
 EVENT_ORDER = [
     "response.created",
@@ -178,3 +183,31 @@ def test_unknown_ids_are_404s(server: LiveServer) -> None:
     error = error_of(httpx.get(f"{server.v1}/responses/resp_nope"), 404)
     assert error["param"] == "response_id"
     error_of(httpx.delete(f"{server.v1}/responses/resp_nope"), 404)
+
+
+def test_an_upstream_arm_forwards_responses_streamed_and_not(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    remote = make_server(sim_arm())
+    config = UpstreamConfig(base_urls=(remote.v1,), model=SIM_MODEL)
+    front = create_app(
+        Settings(backend="sim", served_model_name="front"),
+        [Deployment("front", [UpstreamArm("remote", config)])],
+    )
+    with serve_app(front) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        whole = client.responses.create(model="front", input="Hi", max_output_tokens=3)
+        assert whole.model == "front" and whole.usage is not None
+        assert whole.usage.output_tokens == 3
+        # the remote stored it: the id is the remote's
+        assert client_of(remote).responses.retrieve(whole.id).output_text == whole.output_text
+        events = list(
+            client.responses.create(model="front", input="Hi", max_output_tokens=3, stream=True)
+        )
+        kinds = [e.type for e in events]
+        assert [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]] == EVENT_ORDER
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-1].response.model == "front"  # type: ignore[union-attr]
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model="front", input="Hi", reasoning={"effort": "low"})
+        assert info.value.body["param"] == "reasoning"  # type: ignore[index]
