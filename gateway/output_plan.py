@@ -32,6 +32,7 @@ from gateway.tool_calls import (
 )
 from schedulers.structured_output import (
     CompiledGrammar,
+    GrammarCompiler,
     GrammarError,
     GrammarErrorCode,
     GrammarSpec,
@@ -154,7 +155,7 @@ def completion_plan(request: Any) -> OutputPlan:
 PendingGrammar = Future[CompiledGrammar | GrammarError] | None
 
 
-def start_compile(compiler: Any, plan: OutputPlan) -> PendingGrammar:
+def start_compile(compiler: GrammarCompiler | None, plan: OutputPlan) -> PendingGrammar:
     """Submit the plan's grammar to the arm's compiler (None: nothing to compile).
 
     Raises a 400 naming the grammar's param when the arm cannot constrain its output."""

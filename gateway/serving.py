@@ -59,7 +59,7 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         params = self.sampling_params(runtime, request, max_tokens)
         grammar = await finish_compile(pending, plan, runtime.options.retry_after_s)
         if grammar is not None:
-            params = dataclasses.replace(params, grammar=grammar)  # type: ignore[call-arg]
+            params = dataclasses.replace(params, grammar=grammar)
         priority = getattr(request, "priority", 0)
         stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
         ctx.accept()

@@ -39,6 +39,7 @@ from schedulers.engine import Engine, EngineDeadError
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import QUEUE_TIMEOUT, TokenLogprob
+from schedulers.structured_output import GrammarCompiler
 
 log = structlog.get_logger("carousel.gateway")
 
@@ -90,9 +91,9 @@ class EngineRuntime:
         return len(self.tokenizer)
 
     @property
-    def grammar_compiler(self) -> Any:
+    def grammar_compiler(self) -> GrammarCompiler | None:
         """The arm's `GrammarCompiler` (None: this backend cannot constrain outputs)."""
-        return getattr(self.engine, "grammar_compiler", None)
+        return self.engine.grammar_compiler
 
     @functools.cached_property
     def renders_tools(self) -> bool:
