@@ -296,17 +296,18 @@ class Engine:
 
     def _expire_waiting(self) -> None:
         """End the requests that waited longer than `max_queue_wait_s` (queue_timeout)."""
-        for seq in self.scheduler.expire_waiting(time.monotonic()):
-            request = self._requests.get(seq.request_id)
-            if request is not None:
-                self._emit(request, seq, [], final=True)
+        self._emit_finished(self.scheduler.expire_waiting(time.monotonic()))
 
     def _fail_grammar_errors(self) -> None:
         """End the sequences whose grammar failed to compile (with the compiler's message)."""
-        for seq in self.scheduler.fail_grammar_errors():
-            request = self._requests.get(seq.request_id)
-            if request is not None:
-                self._emit(request, seq, [], final=True)
+        self._emit_finished(self.scheduler.fail_grammar_errors())
+
+    def _emit_finished(self, seqs: list[Sequence]) -> None:
+        """Send the last output of each of `seqs`, which the scheduler just finished."""
+        # NOTE: look requests up first: emitting a request's last choice forgets the request.
+        emits = [(request, seq) for seq in seqs if (request := self._requests.get(seq.request_id))]
+        for request, seq in emits:
+            self._emit(request, seq, [], final=True)
 
     def _add(self, request: _Request) -> None:
         if request.request_id in self._requests:
