@@ -365,6 +365,12 @@ def test_langchain_structured_output_and_bound_tools(base_url: str) -> None:
     [call] = message.tool_calls  # type: ignore[attr-defined]
     assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
     assert call["id"].startswith("call_")
+    on_responses = ChatOpenAI(
+        model=MODEL, base_url=base_url, api_key="unused", temperature=0, max_tokens=5,
+        max_retries=0, use_responses_api=True,
+    )  # fmt: skip
+    reply = on_responses.invoke("Say hi.")
+    assert reply.text and reply.response_metadata["status"] == "incomplete"  # 5 tokens
 
 
 def test_an_agents_sdk_agent_calls_its_tool_on_the_responses_api(base_url: str) -> None:
