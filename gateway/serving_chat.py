@@ -1,5 +1,8 @@
-"""POST /v1/chat/completions on a local engine: messages -> chat template -> tokens ->
-engine -> a `chat.completion` body or `chat.completion.chunk` payloads."""
+"""POST /v1/chat/completions on a local engine: messages (+ tools, rendered by
+gateway/tool_calls.py) -> chat template -> tokens -> engine -> a `chat.completion` body or
+`chat.completion.chunk` payloads. With tools, calls are parsed out of the text
+(`message.tool_calls`, streamed as `delta.tool_calls`); the output constraint is the plan's
+(gateway/output_plan.py)."""
 
 from __future__ import annotations
 
