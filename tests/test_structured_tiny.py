@@ -8,7 +8,9 @@ runs the same paths with the real default model and the clients apps use.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -247,3 +249,24 @@ def test_bad_grammars_are_400s_before_anything_is_queued(
     assert error["code"] == code, error
     assert engine.num_waiting == engine.num_running == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_slow_compile_stalls_neither_the_engine_nor_other_requests(tiny: LiveServer) -> None:
+    properties = {f"p{i}": {"type": "integer"} for i in range(1000)}  # ~2-4 s to compile
+    slow_format = {"type": "json_schema", "json_schema": {"name": "wide", "schema": {
+        "type": "object", "properties": properties}}}  # fmt: skip
+    plain = {"model": SIM_MODEL, "messages": ASK, "max_tokens": 4}
+
+    async def timed(client: httpx.AsyncClient, body: dict[str, Any], delay_s: float) -> float:
+        await asyncio.sleep(delay_s)
+        response = await client.post(f"{tiny.v1}/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return time.monotonic()
+
+    async def run() -> list[float]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            slow = timed(client, {**plain, "response_format": slow_format}, 0.0)
+            return await asyncio.gather(slow, *(timed(client, plain, 0.2) for _ in range(3)))
+
+    slow_done, *plain_done = asyncio.run(run())
+    assert max(plain_done) < slow_done
