@@ -26,9 +26,12 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 from backends.sim import SimBackend
+from backends.torch import grammar_mask
+from backends.torch.grammar_mask import allocate_bitmask
 from backends.torch.runner import TorchBackend
 from schedulers.base import AdmissionError, Scheduler, SchedulerConfig
 from schedulers.batch import ExecuteOutput
@@ -552,3 +555,27 @@ def test_default_model_schema_outputs_survive_chunked_prefill_preemption_and_abo
         assert llm.engine.scheduler.num_preemptions > 0
         assert aborted.done.wait(30)
         assert soon_all_blocks_free(llm)
+
+
+def test_the_sampler_allocates_one_bitmask_and_none_for_free_batches(
+    tiny: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shapes: list[tuple[int, ...]] = []
+
+    def counting(num_rows: int, vocab_size: int) -> torch.Tensor:
+        bitmask = allocate_bitmask(num_rows, vocab_size)
+        shapes.append(tuple(bitmask.shape))
+        return bitmask
+
+    monkeypatch.setattr(grammar_mask, "allocate_bitmask", counting)
+    with tiny_llm(tiny, kv_seqs=16) as llm:
+        free = SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True)
+        llm.generate(random_prompts(3, 5), free)
+        assert shapes == []  # unconstrained batches never touch the grammar step
+        grammar = compile_schema(llm, SMALL)
+        params = SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=1.0, seed=1, n=2, grammar=grammar
+        )
+        gens = llm.generate(random_prompts(3, 5, seed=3), [params, params, free])
+        assert [c.finish_reason for g in gens for c in g.choices] == ["stop"] * 4 + ["length"]
+    assert shapes == [(16, math.ceil(VOCAB / 32))]  # once, for max_num_seqs rows

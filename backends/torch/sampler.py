@@ -77,9 +77,11 @@ class Sampler:
             tokens = logits.argmax(dim=-1)  # [B]
         else:
             tokens = self._pick(logits, seqs)
-        log_norm = logits.logsumexp(dim=-1)  # [B]
-        token_logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - log_norm  # [B]
-        tops = _top_logprobs(logits, log_norm, params)
+        # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
+        # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks.md)
+        log_probs = logits.log_softmax(dim=-1)  # [B, V]
+        token_logprobs = log_probs.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
+        tops = _top_logprobs(log_probs, params)
         return [
             TokenLogprob(token_id, logprob, top)
             for token_id, logprob, top in zip(
@@ -281,7 +283,7 @@ def _min_p_floor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 
 def _top_logprobs(
-    logits: torch.Tensor, log_norm: torch.Tensor, params: list[SamplingParams]
+    log_probs: torch.Tensor, params: list[SamplingParams]
 ) -> list[list[tuple[int, float]]]:
     """For each row, its `logprobs` most likely (id, logprob) pairs, descending; [] if none."""
     wanted = [p.logprobs or 0 for p in params]
@@ -289,10 +291,9 @@ def _top_logprobs(
     rows = [i for i, n in enumerate(wanted) if n > 0]
     if not rows:
         return tops
-    row_index = torch.tensor(rows, device=logits.device)
-    k = min(max(wanted), logits.shape[-1])
-    values, ids = logits[row_index].topk(k, dim=-1)  # [R, k], sorted descending
-    values = values - log_norm[row_index][:, None]
+    row_index = torch.tensor(rows, device=log_probs.device)
+    k = min(max(wanted), log_probs.shape[-1])
+    values, ids = log_probs[row_index].topk(k, dim=-1)  # [R, k], sorted descending
     for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
         n = wanted[row]
         tops[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
