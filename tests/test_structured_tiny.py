@@ -23,9 +23,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.torch.runner import TorchBackend
+from backends.upstream import UpstreamConfig
+from gateway.app import create_app
+from gateway.deployment import Deployment
 from gateway.local_arm import LocalArm
+from gateway.settings import Settings
+from gateway.upstream_arm import UpstreamArm
 from schedulers.base import SchedulerConfig
-from tests.conftest import SIM_MODEL, LiveServer, error_of, start_server
+from tests.conftest import SIM_MODEL, LiveServer, error_of, serve_app, start_server
 from tests.tiny_models import TINY, tiny_tokenizer
 
 TEMPLATE = (
@@ -270,3 +275,33 @@ def test_a_slow_compile_stalls_neither_the_engine_nor_other_requests(tiny: LiveS
 
     slow_done, *plain_done = asyncio.run(run())
     assert max(plain_done) < slow_done
+
+
+def test_an_upstream_arm_forwards_tools_and_formats_unchanged_streamed(tiny: LiveServer) -> None:
+    config = UpstreamConfig(base_urls=(tiny.v1,), model=SIM_MODEL)
+    front = create_app(
+        Settings(backend="sim", served_model_name="front"),
+        [Deployment("front", [UpstreamArm("tiny", config)])],
+    )
+    with serve_app(front) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with client.chat.completions.stream(
+            model="front",
+            messages=ASK,  # type: ignore[arg-type]
+            tools=[FORECAST],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+        ) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls"
+        [call] = final.message.tool_calls or []
+        check_call(call.function.name, call.function.arguments)
+        fmt = {"format": {"type": "json_schema", "name": "f", "schema": PARAMETERS}}
+        events = list(
+            client.responses.create(
+                model="front", input="x", text=fmt, max_output_tokens=100, stream=True
+            )
+        )
+        assert events[-1].type == "response.completed"
+        jsonschema.validate(json.loads(events[-1].response.output_text), PARAMETERS)  # type: ignore[union-attr]
