@@ -58,7 +58,7 @@ class CacheSettings(BaseModel):
         None, gt=0, description="KV cache size in GiB (default: planned from the device)"
     )
     enable_prefix_caching: bool = Field(
-        False, description="reuse the KV of full blocks of earlier prompts and outputs"
+        True, description="reuse the KV of full blocks of earlier prompts and outputs"
     )
 
 
