@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 
 from gateway.metrics import GatewayMetrics
+from gateway.response_store import ResponseStore
 from gateway.traffic_record import TrafficEntry, TrafficRecorder
 
 log = structlog.get_logger("carousel.gateway")
@@ -60,6 +61,9 @@ class RequestContext:
     #: the traffic record, and the path its lines name (None: not recorded)
     recorder: TrafficRecorder | None = None
     path: str = ""
+    #: where the Responses API keeps `store: true` responses (None: nothing is stored, and
+    #: no `previous_response_id` is found: shadow copies)
+    response_store: ResponseStore | None = None
     _done: bool = False
 
     def __post_init__(self) -> None:

@@ -19,9 +19,10 @@ from gateway import carousel_version
 from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
 from gateway.endpoint import Endpoint
 from gateway.endpoints import ENDPOINTS
-from gateway.errors import APIError, error_body, from_validation_error, invalid
+from gateway.errors import APIError, error_body, from_validation_error, invalid, not_found
 from gateway.metrics import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
+from gateway.protocol_responses import deleted_body
 from gateway.routing import ARM_HEADER
 from gateway.streaming import SSEResponse
 
@@ -71,6 +72,7 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         log_prompts=state.settings.log_prompts,
         recorder=state.recorder,
         path=endpoint.path,
+        response_store=state.response_store,
     )
     try:
         body = await read_json(request)
@@ -114,6 +116,27 @@ def _route(endpoint: Endpoint) -> Any:
 
 for _endpoint in ENDPOINTS:
     router.add_api_route(_endpoint.path, _route(_endpoint), methods=["POST"], name=_endpoint.name)
+
+
+def _stored(state: GatewayState, response_id: str) -> dict[str, Any]:
+    entry = state.response_store.get(response_id)
+    if entry is None:
+        raise not_found(f"Response with id '{response_id}' not found.", "response_id")
+    return entry.response
+
+
+@v1.get("/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    """A stored response (`store: true`, served by a local arm of this gateway)."""
+    return _stored(_state(request), response_id)
+
+
+@v1.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    _stored(state, response_id)
+    state.response_store.delete(response_id)
+    return deleted_body(response_id)
 
 
 def _card(state: GatewayState, name: str) -> ModelCard:

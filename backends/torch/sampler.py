@@ -6,14 +6,16 @@ Per row, in order (vLLM / OpenAI semantics):
      by it, negative ones multiplied;
   3. `presence_penalty` and `frequency_penalty` (OpenAI) over output tokens:
      `logit -= presence * (count > 0) + frequency * count`;
+  3b. a constrained sequence's grammar masks the tokens it forbids (-inf; grammar_mask.py),
+     only in that sequence's row;
   4. `temperature == 0` (below 1e-5, as in vLLM) takes the argmax; otherwise the logits are
      divided by the temperature, then `top_k`, `top_p` and `min_p` mask tokens (logits tied
      with the last kept one are kept), and one token is drawn by inverting the row's CDF at
      a uniform from the sequence's own CPU `torch.Generator`.
 
 Logprobs (the sampled token's, and the top alternatives when asked) are those of
-`log_softmax` of the logits after steps 1-3: after bias and penalties, before temperature,
-top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of `-inf`.
+`log_softmax` of the logits after steps 1-3b: after bias, penalties and the grammar, before
+temperature, top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of `-inf`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import secrets
 
 import torch
 
+from backends.torch.grammar_mask import GrammarMask
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
 
@@ -45,13 +48,16 @@ class Sampler:
     lives until `release(seq_id)`. Generators stay on the CPU whatever `device` is: one draw
     per sampled row, sent to the device in one copy, and the same seed gives the same
     uniforms on every device. A row's sample depends only on its logits, its params and its
-    generator, never on its batch mates.
+    generator, never on its batch mates. A constrained sequence (`seq.grammar`) has its row
+    masked by its grammar (grammar_mask.py, one bitmask for `max_num_seqs` rows); a batch
+    without one skips that step entirely.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, max_num_seqs: int = 256) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._generators: dict[int, torch.Generator] = {}
+        self._grammar_mask = GrammarMask(vocab_size, max_rows=max_num_seqs)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob]:
         """Sample one token for each sequence from `logits` [B, V], row i for `seqs[i]`."""
@@ -65,13 +71,17 @@ class Sampler:
             logits = logits.clone()
             _apply_logit_bias(logits, params)
             _apply_penalties(logits, seqs)
+        if any(seq.grammar is not None for seq in seqs):  # NOTE: other rows stay untouched
+            self._grammar_mask(logits, [seq.grammar for seq in seqs])
         if all(_is_greedy(p) for p in params):
             tokens = logits.argmax(dim=-1)  # [B]
         else:
             tokens = self._pick(logits, seqs)
-        log_norm = logits.logsumexp(dim=-1)  # [B]
-        token_logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - log_norm  # [B]
-        tops = _top_logprobs(logits, log_norm, params)
+        # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
+        # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks.md)
+        log_probs = logits.log_softmax(dim=-1)  # [B, V]
+        token_logprobs = log_probs.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
+        tops = _top_logprobs(log_probs, params)
         return [
             TokenLogprob(token_id, logprob, top)
             for token_id, logprob, top in zip(
@@ -273,7 +283,7 @@ def _min_p_floor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 
 def _top_logprobs(
-    logits: torch.Tensor, log_norm: torch.Tensor, params: list[SamplingParams]
+    log_probs: torch.Tensor, params: list[SamplingParams]
 ) -> list[list[tuple[int, float]]]:
     """For each row, its `logprobs` most likely (id, logprob) pairs, descending; [] if none."""
     wanted = [p.logprobs or 0 for p in params]
@@ -281,10 +291,9 @@ def _top_logprobs(
     rows = [i for i, n in enumerate(wanted) if n > 0]
     if not rows:
         return tops
-    row_index = torch.tensor(rows, device=logits.device)
-    k = min(max(wanted), logits.shape[-1])
-    values, ids = logits[row_index].topk(k, dim=-1)  # [R, k], sorted descending
-    values = values - log_norm[row_index][:, None]
+    row_index = torch.tensor(rows, device=log_probs.device)
+    k = min(max(wanted), log_probs.shape[-1])
+    values, ids = log_probs[row_index].topk(k, dim=-1)  # [R, k], sorted descending
     for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
         n = wanted[row]
         tops[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
