@@ -359,9 +359,8 @@ def test_langchain_structured_output_and_bound_tools(base_url: str) -> None:
         """The current weather in a city; unit is celsius or fahrenheit."""
         return "Sunny."
 
-    message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(
-        "What is the weather in Paris?"
-    )
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False)
+    message = bound.invoke("What is the weather in Paris?")
     [call] = message.tool_calls  # type: ignore[attr-defined]
     assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
     assert call["id"].startswith("call_")
