@@ -198,6 +198,7 @@ def test_a_named_tool_is_the_one_called(client: openai.OpenAI) -> None:
         temperature=0,
         max_tokens=40,
     )
+    assert completion.choices[0].finish_reason == "stop"  # OpenAI's, for a named function
     [call] = completion.choices[0].message.tool_calls or []
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
