@@ -9,9 +9,9 @@ line (`RequestContext.finish`).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
@@ -20,14 +20,10 @@ from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
 from gateway.deployment import Deployment
 from gateway.endpoint import Endpoint
 from gateway.endpoints import ENDPOINTS
-from gateway.errors import APIError, error_body, from_validation_error, invalid, not_found
+from gateway.errors import APIError, error_body, from_validation_error, invalid
 from gateway.metrics import CONTENT_TYPE
-from gateway.output_plan import problem_error
-from gateway.problems import ParamProblem
 from gateway.protocol import ModelCard, ModelList
-from gateway.protocol_responses import deleted_body
-from gateway.response_input_items import DEFAULT_LIMIT, input_items_page
-from gateway.response_store import StoredResponse
+from gateway.routes_responses import stored_responses
 from gateway.routing import ARM_HEADER
 from gateway.streaming import SSEResponse
 
@@ -134,92 +130,6 @@ for _endpoint in ENDPOINTS:
     router.add_api_route(_endpoint.path, _route(_endpoint), methods=["POST"], name=_endpoint.name)
 
 
-def _not_found(response_id: str) -> APIError:
-    return not_found(f"Response with id '{response_id}' not found.", "response_id")
-
-
-async def _from_arms(
-    state: GatewayState, response_id: str, method: str, suffix: str = "", **params: str
-) -> dict[str, Any] | None:
-    """The answer of the arm whose own server holds `response_id` (an upstream arm's
-    response, found by the arm noted when it was created, else by asking each upstream arm);
-    None when the gateway's store holds it. A 404 names `response_id` when nothing has it."""
-    path = f"/responses/{response_id}{suffix}"
-    store = state.response_store
-    owner = store.owner(response_id)
-    if owner is None and store.get(response_id) is not None:
-        return None
-    for deployment, arm in state.deployments.arms():
-        if arm.shadow or (owner is not None and (deployment.name, arm.name) != owner.key):
-            continue
-        try:
-            reply = await arm.lookup(method, path, params, deployment.name)
-        except APIError as exc:
-            # NOTE: an id nobody noted is looked for on every arm: one's failure is no answer
-            if owner is None or exc.status_code == 404:
-                continue
-            raise
-        if reply is None and owner is not None:
-            return None  # a local arm's: the gateway's store has it (or had it)
-        if reply is not None:
-            store.remember_owner(response_id, deployment.name, arm.name)
-            return reply
-    if store.get(response_id) is None:
-        raise _not_found(response_id)
-    return None
-
-
-def _stored(state: GatewayState, response_id: str) -> StoredResponse:
-    entry = state.response_store.get(response_id)
-    if entry is None:
-        raise _not_found(response_id)
-    return entry
-
-
-@v1.get("/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-    """A stored response: the gateway's (a local arm answered it) or an upstream arm's."""
-    state = _state(request)
-    reply = await _from_arms(state, response_id, "GET")
-    return reply if reply is not None else _stored(state, response_id).response
-
-
-@v1.get("/responses/{response_id}/input_items")
-async def list_input_items(
-    response_id: str,
-    request: Request,
-    limit: int = DEFAULT_LIMIT,
-    order: str = "desc",
-    after: str | None = None,
-    include: Annotated[list[str] | None, Query()] = None,
-) -> dict[str, Any]:
-    """A stored response's input items, as OpenAI's cursor list (response_input_items.py)."""
-    if include:
-        raise invalid("'include' is not supported for input items.", "include")
-    state = _state(request)
-    params = {"limit": str(limit), "order": order} | ({"after": after} if after else {})
-    reply = await _from_arms(state, response_id, "GET", "/input_items", **params)
-    if reply is not None:
-        return reply
-    page = input_items_page(_stored(state, response_id), limit, order, after)
-    if isinstance(page, ParamProblem):
-        raise problem_error(page)
-    return page
-
-
-@v1.delete("/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    """Forget a stored response, in the gateway's store or on the upstream that holds it."""
-    state = _state(request)
-    reply = await _from_arms(state, response_id, "DELETE")
-    if reply is None:
-        _stored(state, response_id)
-        state.response_store.delete(response_id)
-        reply = deleted_body(response_id)
-    state.response_store.forget_owner(response_id)
-    return reply
-
-
 def _card(state: GatewayState, name: str) -> ModelCard:
     deployment = state.deployments.get(name)
     return ModelCard(
@@ -297,4 +207,5 @@ async def version() -> dict[str, str]:
 
 
 router.include_router(v1)
+router.include_router(stored_responses)
 router.include_router(debug)

@@ -138,6 +138,7 @@ def test_an_id_unknown_everywhere_is_a_404_naming_it(
             ("GET", "/responses/resp_nope"),
             ("DELETE", "/responses/resp_nope"),
             ("GET", "/responses/resp_nope/input_items"),
+            ("GET", "/responses/resp%3Finclude=x"),  # never put into an upstream's URL
         ]:
             error = error_of(httpx.request(method, f"{v1}{path}"), 404)
             assert error["param"] == "response_id", (method, path, error)
