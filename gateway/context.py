@@ -69,6 +69,12 @@ class RequestContext:
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
 
+    def remember_response(self, response_id: str) -> None:
+        """Note that this request's arm created `response_id` (GET, DELETE and
+        `previous_response_id` are routed to it); nothing without a store."""
+        if self.response_store is not None and self.arm is not None:
+            self.response_store.remember_owner(response_id, self.model, self.arm)
+
     def accept(self) -> None:
         """The arm took the request (it is queued, or its upstream answered): run
         `on_accepted`, once."""

@@ -17,12 +17,13 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import carousel_version
 from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
+from gateway.deployment import Deployment
 from gateway.endpoint import Endpoint
 from gateway.endpoints import ENDPOINTS
-from gateway.errors import APIError, error_body, from_validation_error, invalid, not_found
+from gateway.errors import APIError, error_body, from_validation_error, invalid
 from gateway.metrics import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
-from gateway.protocol_responses import deleted_body
+from gateway.routes_responses import stored_responses
 from gateway.routing import ARM_HEADER
 from gateway.streaming import SSEResponse
 
@@ -79,7 +80,7 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         parsed = parse(endpoint.request_model, body)
         ctx.model, ctx.stream, ctx.raw_body = parsed.model, bool(parsed.stream), body
         deployment = state.deployments.get(parsed.model)
-        requested = request.headers.get(ARM_HEADER)
+        requested = request.headers.get(ARM_HEADER) or _owner_arm(state, deployment, parsed)
         arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
         if deployment.mirrors and not arm.shadow:
             ctx.on_accepted = lambda: deployment.mirror(endpoint, body, ctx)
@@ -106,6 +107,17 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
     return response
 
 
+def _owner_arm(state: GatewayState, deployment: Deployment, request: BaseModel) -> str | None:
+    """The arm that created the response a request continues (`previous_response_id`), when
+    it serves this deployment: the conversation is there (an upstream's own store) and stays
+    on one arm of an A/B split."""
+    previous = getattr(request, "previous_response_id", None)
+    owner = state.response_store.owner(previous) if isinstance(previous, str) else None
+    if owner is None or owner.model != deployment.name:
+        return None
+    return owner.arm if any(arm.name == owner.arm for arm in deployment.arms) else None
+
+
 def _route(endpoint: Endpoint) -> Any:
     async def route(request: Request) -> Response:
         return await _serve(request, endpoint)
@@ -116,27 +128,6 @@ def _route(endpoint: Endpoint) -> Any:
 
 for _endpoint in ENDPOINTS:
     router.add_api_route(_endpoint.path, _route(_endpoint), methods=["POST"], name=_endpoint.name)
-
-
-def _stored(state: GatewayState, response_id: str) -> dict[str, Any]:
-    entry = state.response_store.get(response_id)
-    if entry is None:
-        raise not_found(f"Response with id '{response_id}' not found.", "response_id")
-    return entry.response
-
-
-@v1.get("/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-    """A stored response (`store: true`, served by a local arm of this gateway)."""
-    return _stored(_state(request), response_id)
-
-
-@v1.delete("/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    state = _state(request)
-    _stored(state, response_id)
-    state.response_store.delete(response_id)
-    return deleted_body(response_id)
 
 
 def _card(state: GatewayState, name: str) -> ModelCard:
@@ -216,4 +207,5 @@ async def version() -> dict[str, str]:
 
 
 router.include_router(v1)
+router.include_router(stored_responses)
 router.include_router(debug)

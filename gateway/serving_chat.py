@@ -203,13 +203,14 @@ class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
 
 def _message(plan: OutputPlan, result: ChoiceResult) -> tuple[AssistantMessage, str | None]:
     """The assistant message of one choice, and its finish reason (`tool_calls` when the
-    model stopped after calling tools)."""
+    model stopped after calling tools, `stop` after the call a named `tool_choice` forced)."""
     if not plan.parses_tools:
         return AssistantMessage(content=result.text), result.finish_reason
     parsed = parse_tool_calls(result.text)
     calls = [call.as_openai() for call in parsed.tool_calls] or None
     message = AssistantMessage(content=parsed.content, tool_calls=calls)
-    return message, chat_finish_reason(bool(calls), result.finish_reason)
+    forced = plan.tool_choice.forced
+    return message, chat_finish_reason(bool(calls), result.finish_reason, forced)
 
 
 def _body(
@@ -288,7 +289,9 @@ async def _chunks(
                 events = parser.feed(output.text) if output.text else []
                 if output.finished:
                     events += parser.finish()
-                    finish_reason = chat_finish_reason(bool(parser.tool_calls), finish_reason)
+                    called = bool(parser.tool_calls)
+                    forced = plan.tool_choice.forced
+                    finish_reason = chat_finish_reason(called, finish_reason, forced)
                 deltas = _deltas(events)
             if logprobs is not None and not deltas:
                 deltas = [DeltaMessage()]

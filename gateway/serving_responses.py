@@ -180,6 +180,7 @@ def _store(
         return
     conversation = conversation_after(plan.extra["history"], plan.extra["input_items"], response)
     ctx.response_store.put(response.id, response.model_dump(mode="json"), conversation)
+    ctx.remember_response(response.id)
 
 
 def _format_param(text: dict[str, Any] | None) -> str | None:

@@ -126,7 +126,8 @@ class ServerSettings(BaseModel):
         1024,
         ge=1,
         description="stored Responses API responses (`store: true`) kept for "
-        "previous_response_id and GET, least recently used evicted first",
+        "previous_response_id and GET, least recently used evicted first; also how many "
+        "response ids' creating arms are remembered (routing GET/DELETE to upstream arms)",
     )
     disconnect_poll_s: float = Field(
         0.1, gt=0, description="how often a non-streaming request checks for its client"

@@ -198,6 +198,7 @@ def test_a_named_tool_is_the_one_called(client: openai.OpenAI) -> None:
         temperature=0,
         max_tokens=40,
     )
+    assert completion.choices[0].finish_reason == "stop"  # OpenAI's, for a named function
     [call] = completion.choices[0].message.tool_calls or []
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
@@ -359,9 +360,8 @@ def test_langchain_structured_output_and_bound_tools(base_url: str) -> None:
         """The current weather in a city; unit is celsius or fahrenheit."""
         return "Sunny."
 
-    message = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(
-        "What is the weather in Paris?"
-    )
+    bound = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False)
+    message = bound.invoke("What is the weather in Paris?")
     [call] = message.tool_calls  # type: ignore[attr-defined]
     assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
     assert call["id"].startswith("call_")

@@ -114,9 +114,22 @@ def test_a_named_tool_and_parallel_false_give_exactly_one_call_of_it(tiny: LiveS
         max_tokens=200,
     )
     for choice in named.choices:
+        assert choice.finish_reason == "stop", choice  # OpenAI's, for a call it was told to make
         [call] = choice.message.tool_calls or []
         assert call.function.name == "forecast"
         check_call(call.function.name, call.function.arguments)
+    with client.chat.completions.stream(
+        model=SIM_MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=[FORECAST, CLOCK],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "clock"}},
+        temperature=1.0,
+        seed=3,
+        max_tokens=200,
+    ) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "stop"
+    assert [c.function.name for c in final.message.tool_calls or []] == ["clock"]
     single = client.chat.completions.create(
         model=SIM_MODEL,
         messages=ASK,  # type: ignore[arg-type]
