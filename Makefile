@@ -40,3 +40,9 @@ clean:
 
 bench: install
 	$(PY) scripts/reference_bench.py
+
+# the compose stack built and run for real (docker or podman; installs podman when neither
+# works), checked end to end and torn down: scripts/compose-smoke.sh, docs/docker.md
+.PHONY: compose-smoke
+compose-smoke: install
+	bash scripts/compose-smoke.sh

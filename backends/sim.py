@@ -2,8 +2,10 @@
 
 For fast scheduler and gateway tests, and for capacity planning beyond this machine. The
 time of one iteration is `fixed_s + per_token_s * scheduled_tokens + per_context_token_s *
-attended context tokens`, slept for real scaled by `time_scale` (0 = do not sleep) and
-also accumulated in `virtual_time_s`.
+attended context tokens`, plus, under tensor parallelism, the all-reduces of the step
+(`CostModel.communication_s`), slept for real scaled by `time_scale` (0 = do not sleep) and
+also accumulated in `virtual_time_s`. backends/sim_plan.py derives these terms from a
+model's shape and a GPU's datasheet (scripts/plan_tp.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Backend, KVCacheSpec
 from backends.byte_tokenizer import EOS_TOKEN_ID, ByteTokenizer
+from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.sequence import Sequence, TokenLogprob
 
@@ -34,18 +36,46 @@ def _mix(x: int) -> int:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-iteration cost: fixed + per scheduled token + per attended context token."""
+    """Per-iteration cost: fixed + per scheduled token + per attended context token, plus the
+    tensor-parallel all-reduces when `tensor_parallel_size` > 1.
+
+    Megatron-style TP all-reduces the `[tokens, hidden]` activations twice per layer (after
+    the attention output and the MLP down projection) and once after the vocabulary-parallel
+    embedding. Each is a ring all-reduce over `n` ranks: `2 (n - 1)` hops of
+    `link_latency_s`, moving `2 (n - 1) / n` of the message over each link at
+    `link_bandwidth` bytes/s (NCCL's "bus bandwidth").
+    """
 
     fixed_s: float = 0.004
     per_token_s: float = 0.0002
     per_context_token_s: float = 0.000002
+    tensor_parallel_size: int = 1
+    num_layers: int = 0
+    hidden_size: int = 0
+    activation_bytes: int = 2
+    link_latency_s: float = 5e-6
+    link_bandwidth: float = 100e9
+
+    def all_reduce_s(self, num_bytes: int) -> float:
+        """One ring all-reduce of `num_bytes` over the TP ranks (0 without TP)."""
+        n = self.tensor_parallel_size
+        hops = 2 * (n - 1)
+        return hops * self.link_latency_s + hops / n * num_bytes / self.link_bandwidth
+
+    def communication_s(self, num_tokens: int) -> float:
+        """The step's all-reduces: 2 per layer plus the embedding's."""
+        message = num_tokens * self.hidden_size * self.activation_bytes
+        return (2 * self.num_layers + 1) * self.all_reduce_s(message)
 
     def iteration_time(self, num_tokens: int, num_context_tokens: int) -> float:
-        return (
+        compute = (
             self.fixed_s
             + self.per_token_s * num_tokens
             + self.per_context_token_s * num_context_tokens
         )
+        if self.tensor_parallel_size == 1:
+            return compute
+        return compute + self.communication_s(num_tokens)
 
 
 class SimBackend(Backend):

@@ -8,7 +8,10 @@ inter-token gaps between content chunks (ITL); per run, request, output-token an
 throughput over the run's wall time, and goodput, the rate of requests meeting the TTFT and
 TPOT objectives. metrics.py states every definition precisely.
 
-Modules: workload (DISTs, arrivals, prompts, datasets), client (streamed requests and timing),
-metrics, trace (/debug/trace and seat layout), runner (arms x rates, Ctrl-C), report and plots
-(report.json, report.md, PNGs), cli (`register` for the gateway CLI, and `main`).
+Modules: workload (DISTs, arrivals, prompts, datasets), replay (a traffic record as the
+workload), client (streamed requests and timing), metrics, trace (/debug/trace and seat
+layout), runner (arms x rates x repeats, Ctrl-C), stats and verdict (bootstrap intervals and the
+plain sentences), comparison (the bench's verdict), report and plots (report.json, report.md,
+PNGs), prom and ab (`carousel ab report` on a live split), cli (`register` for the gateway CLI,
+and `main`).
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import math
 import os
@@ -14,10 +15,15 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from bench.client import ClientConfig
-from bench.metrics import Slo
+from bench.metrics import Slo, parse_slo
+from bench.replay import load_records, replay_workload
 from bench.runner import BenchConfig, BenchResult, rate_label, run_bench
 from bench.workload import (
     PRESETS,
+    DatasetEntry,
+    RequestSpec,
+    add_shared_prefix,
+    build_conversations,
     build_workload,
     load_dataset,
     parse_dist,
@@ -35,12 +41,15 @@ DESCRIPTION = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `bench` subcommand to the gateway CLI; it sets `func=run`."""
+    """Add the `bench` subcommand (`func=run`) and `ab report` (bench/ab.py) to the gateway CLI."""
     parser = subparsers.add_parser(
         "bench", help="benchmark an endpoint and compare arms", description=DESCRIPTION
     )
     add_arguments(parser)
     parser.set_defaults(func=run)
+    from bench import ab
+
+    ab.register(subparsers)
 
 
 def _arg_type(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
@@ -87,7 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (/v1 is added "
         "when the URL has no path)",
     )
-    target.add_argument("--model", required=True, help="the model name sent in requests")
+    target.add_argument(
+        "--model",
+        default=None,
+        help="the model name sent in requests (required, except with --replay: "
+        "then it replaces the recorded one)",
+    )
     target.add_argument(
         "--arm",
         action="append",
@@ -97,9 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument(
         "--endpoint",
-        choices=("chat", "completions"),
+        choices=("chat", "completions", "responses"),
         default="chat",
-        help="/v1/chat/completions or /v1/completions (default: chat)",
+        help="/v1/chat/completions, /v1/completions or /v1/responses (default: chat)",
     )
     target.add_argument(
         "--api-key",
@@ -169,6 +183,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='prompts, one {"prompt": ...} or {"messages": [...]} per line, '
         'optional "max_tokens"; replaces --input-len',
     )
+    load.add_argument(
+        "--replay",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="send the requests of a traffic record (gateway/traffic_record.py) at "
+        "their recorded arrival times, with their own endpoints and parameters; "
+        "replaces the synthetic workload",
+    )
+    load.add_argument(
+        "--time-scale",
+        type=_arg_type(_positive_float, "scale"),
+        default=1.0,
+        metavar="X",
+        help="with --replay: multiply the recorded gaps by X (0.5: twice as fast; default: 1)",
+    )
+    load.add_argument(
+        "--pin-lengths",
+        action="store_true",
+        help="with --replay: every request generates exactly its recorded completion tokens "
+        "(redacted records always do)",
+    )
     load.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     load.add_argument(
         "--warmups",
@@ -183,7 +219,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at most this many requests in flight",
     )
 
+    load.add_argument(
+        "--repeats",
+        type=_arg_type(_positive_int, "count"),
+        default=1,
+        help="run every arm N times (repeat r with seed + r, arm order reversed on odd "
+        "repeats); the verdict then resamples runs as well as requests (default: 1)",
+    )
+    sharing = parser.add_argument_group("prefix sharing (for prefix caches)")
+    sharing.add_argument(
+        "--shared-prefix-len",
+        type=_arg_type(_non_negative_int, "words"),
+        default=0,
+        metavar="N",
+        help="every conversation starts with the same N-word system prompt (about N tokens)",
+    )
+    sharing.add_argument(
+        "--multi-turn",
+        type=_arg_type(_positive_int, "turns"),
+        default=1,
+        metavar="K",
+        help="conversations of K turns (--num-requests conversations): each turn is sent "
+        "when the previous answer arrived, resending the history (default: 1)",
+    )
+
     out = parser.add_argument_group("report")
+    out.add_argument(
+        "--slo",
+        type=_arg_type(parse_slo, "SLO"),
+        default=None,
+        metavar="ttft=2s,tpot=200ms",
+        help="objectives for goodput (units ms, s or us); the same as --slo-ttft/--slo-tpot",
+    )
+    out.add_argument(
+        "--resamples",
+        type=_arg_type(_positive_int, "count"),
+        default=2000,
+        help="bootstrap resamples behind the verdict's 95%% intervals (default: 2000)",
+    )
     out.add_argument(
         "--slo-ttft",
         type=_arg_type(_positive_float, "ms"),
@@ -222,13 +295,24 @@ def api_base(url: str) -> str:
     return base
 
 
+def slo_of(args: argparse.Namespace) -> Slo:
+    """The SLO from `--slo` and/or `--slo-ttft`/`--slo-tpot`; ValueError when both set one."""
+    slo = getattr(args, "slo", None) or Slo()
+    ttft, tpot = getattr(args, "slo_ttft", None), getattr(args, "slo_tpot", None)
+    if (ttft is not None and slo.ttft_ms is not None) or (
+        tpot is not None and slo.tpot_ms is not None
+    ):
+        raise ValueError("--slo and --slo-ttft/--slo-tpot both set one objective")
+    return Slo(ttft if ttft is not None else slo.ttft_ms, tpot if tpot is not None else slo.tpot_ms)
+
+
 def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
     """Turn parsed flags into a BenchConfig."""
     arms: list[str | None] = list(dict.fromkeys(args.arm)) or [None]
     out_dir = args.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     client = ClientConfig(
         api_base=api_base(args.url),
-        model=args.model,
+        model=args.model or "(recorded)",
         endpoint=args.endpoint,
         api_key=args.api_key,
         ignore_eos=args.ignore_eos,
@@ -245,27 +329,83 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
         output_len=args.output_len,
         dataset=args.dataset,
         seed=args.seed,
-        slo=Slo(args.slo_ttft, args.slo_tpot),
+        slo=slo_of(args),
         out_dir=out_dir,
         url=args.url,
         progress=args.progress,
         fetch_trace=args.fetch_trace,
         warmups=args.warmups,
+        repeats=args.repeats,
+        num_resamples=args.resamples,
+        shared_prefix_len=args.shared_prefix_len,
+        multi_turn=args.multi_turn,
     )
+
+
+def _replay_config(args: argparse.Namespace) -> tuple[BenchConfig, list[RequestSpec]]:
+    """The config and requests of `--replay`; ValueError (or OSError) for a usage error."""
+    if args.dataset or args.sweep_rates or args.rate != math.inf:
+        raise ValueError("--replay replaces --dataset, --rate and --sweep-rates")
+    records, skipped = load_records(args.replay)
+    records = records[: args.num_requests] if args.num_requests else records
+    if not records:
+        raise ValueError("the traffic record holds no request the bench can send")
+    workload = replay_workload(
+        records,
+        time_scale=args.time_scale,
+        model=args.model,
+        pin_lengths=args.pin_lengths,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+    )
+    info = {"files": [str(p) for p in args.replay], **workload.info, "skipped": dict(skipped)}
+    cfg = dataclasses.replace(
+        build_config(args, len(workload.specs)),
+        rates=[workload.offered_rate],
+        offsets=workload.offsets,
+        replay=info,
+    )
+    return cfg, workload.specs
+
+
+def sharing_workload(
+    cfg: BenchConfig, dataset: list[DatasetEntry] | None, seed: int
+) -> list[RequestSpec]:
+    """The requests of a run (drawn with `seed`), with `--multi-turn` conversations and a
+    `--shared-prefix-len` system prompt when asked."""
+    if cfg.multi_turn > 1:
+        specs = build_conversations(
+            cfg.num_requests, cfg.multi_turn, cfg.input_len, cfg.output_len, seed
+        )
+    else:
+        specs = build_workload(cfg.num_requests, cfg.input_len, cfg.output_len, seed, dataset)
+    if cfg.shared_prefix_len:
+        specs = add_shared_prefix(specs, cfg.shared_prefix_len, cfg.seed)
+    return specs
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench; 0 on success, 1 when no request completed, 130 when interrupted."""
+    if not args.model and not args.replay:
+        print("carousel bench: --model is required (except with --replay)", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        dataset = load_dataset(args.dataset) if args.dataset else None
+        dataset = load_dataset(args.dataset) if args.dataset and not args.replay else None
+        if args.replay:
+            cfg, specs = _replay_config(args)
+            workloads = [specs]
+        else:
+            num_requests = args.num_requests or (len(dataset) if dataset else 100)
+            cfg = build_config(args, num_requests)
+            if dataset and args.multi_turn > 1:
+                raise ValueError("--multi-turn generates its own prompts (no --dataset)")
+            workloads = [sharing_workload(cfg, dataset, cfg.seed + r) for r in range(cfg.repeats)]
     except (OSError, ValueError) as exc:
         print(f"carousel bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    num_requests = args.num_requests or (len(dataset) if dataset else 100)
-    cfg = build_config(args, num_requests)
-    specs = build_workload(num_requests, cfg.input_len, cfg.output_len, cfg.seed, dataset)
+    specs = workloads[0]
     try:
-        result = asyncio.run(run_bench(cfg, specs))
+        result = asyncio.run(run_bench(cfg, workloads))
     except KeyboardInterrupt:
         print("carousel bench: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -8,6 +8,7 @@ is sent (after any `--max-concurrency` wait, as in vLLM's bench) and stops when 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -18,12 +19,23 @@ import httpx
 
 from bench.workload import RequestSpec
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses"]
 ARM_HEADER = "X-Carousel-Arm"
 ENDPOINT_PATHS: dict[Endpoint, str] = {
     "chat": "/chat/completions",
     "completions": "/completions",
+    "responses": "/responses",
 }
+#: Responses API stream events whose `delta` is generated text (or call arguments)
+_RESPONSES_TEXT_EVENTS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.function_call_arguments.delta",
+        "response.refusal.delta",
+    }
+)
+#: Responses API events that end a stream (it has no `data: [DONE]`)
+_RESPONSES_FINAL_EVENTS = frozenset({"response.completed", "response.incomplete"})
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,12 @@ class RequestResult:
     num_chunks: int = 0
     usage_output_tokens: int | None = None
     prompt_tokens: int | None = None
+    #: of the prompt tokens, those the server served from its prefix cache (usage's
+    #: `prompt_tokens_details.cached_tokens`; None when it does not say)
+    cached_tokens: int | None = None
     target_input_len: int | None = None
+    turn: int | None = None  # multi-turn: this request's turn in its conversation
+    text: str = ""  # the answer as received (a conversation's next turn resends it)
     success: bool = False
     cancelled: bool = False
     error: str | None = None
@@ -81,8 +98,24 @@ class RunOutcome:
     interrupted: bool
 
 
+def endpoint_of(cfg: ClientConfig, spec: RequestSpec) -> Endpoint:
+    """The spec's own endpoint (a replayed request), else the run's."""
+    return spec.endpoint or cfg.endpoint
+
+
 def build_body(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
-    """The JSON body of one streamed request."""
+    """The JSON body of one streamed request.
+
+    A replayed request (`spec.body`) keeps its body, with streaming turned on (and usage
+    asked for, except on /v1/responses, whose final event carries it).
+    """
+    if spec.body is not None:
+        replayed = dict(spec.body)
+        replayed["stream"] = True
+        if endpoint_of(cfg, spec) != "responses":
+            options = replayed.get("stream_options")
+            replayed["stream_options"] = {**(options or {}), "include_usage": True}
+        return replayed
     body: dict[str, Any] = {
         "model": cfg.model,
         "max_tokens": spec.max_tokens,
@@ -92,6 +125,10 @@ def build_body(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
     }
     if cfg.endpoint == "chat":
         body["messages"] = spec.as_messages()
+    elif cfg.endpoint == "responses":
+        body["input"] = spec.as_messages()
+        body["max_output_tokens"] = body.pop("max_tokens")
+        del body["stream_options"]
     else:
         body["prompt"] = spec.as_prompt()
     if cfg.ignore_eos:
@@ -110,13 +147,53 @@ def build_headers(cfg: ClientConfig, arm: str | None) -> dict[str, str]:
 
 
 def chunk_text(chunk: dict[str, Any], endpoint: Endpoint) -> str:
-    """The generated text a stream chunk carries (chat `delta.content` or completion `text`)."""
+    """The generated text a stream chunk carries: chat `delta.content` (or tool-call argument
+    fragments), completion `text`, or a Responses text/arguments `delta` event."""
+    if endpoint == "responses":
+        delta = chunk.get("delta") if chunk.get("type") in _RESPONSES_TEXT_EVENTS else None
+        return delta if isinstance(delta, str) else ""
     choices = chunk.get("choices") or []
     if not choices or not isinstance(choices[0], dict):
         return ""
     choice = choices[0]
-    text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
-    return text if isinstance(text, str) else ""
+    if endpoint != "chat":
+        text = choice.get("text")
+        return text if isinstance(text, str) else ""
+    delta = choice.get("delta") or {}
+    text = delta.get("content")
+    if isinstance(text, str) and text:
+        return text
+    calls = delta.get("tool_calls") or []
+    fragments = [(c.get("function") or {}).get("arguments") for c in calls if isinstance(c, dict)]
+    return "".join(f for f in fragments if isinstance(f, str))
+
+
+def chunk_usage(chunk: dict[str, Any], endpoint: Endpoint) -> dict[str, Any] | None:
+    """`{"prompt_tokens", "completion_tokens"}` when the chunk reports usage, else None."""
+    if endpoint == "responses":
+        response = chunk.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if chunk.get("type") not in _RESPONSES_FINAL_EVENTS or not isinstance(usage, dict):
+            return None
+        return {
+            "prompt_tokens": usage.get("input_tokens"),
+            "completion_tokens": usage.get("output_tokens"),
+        }
+    usage = chunk.get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
+def chunk_error(chunk: dict[str, Any], endpoint: Endpoint) -> str | None:
+    """The message of an in-stream error event, else None."""
+    if endpoint == "responses":
+        kind = chunk.get("type")
+        if kind == "error":
+            return str(chunk.get("message") or _error_message(chunk))
+        if kind == "response.failed":
+            response = chunk.get("response") or {}
+            return _error_message(response) if isinstance(response, dict) else "response failed"
+        return None
+    return _error_message(chunk) if chunk.get("error") is not None else None
 
 
 def _error_message(payload: Any) -> str:
@@ -140,7 +217,8 @@ async def send_request(
     t0: float,
 ) -> None:
     """Send one streamed request and fill `result` as chunks arrive."""
-    url = cfg.api_base + ENDPOINT_PATHS[cfg.endpoint]
+    endpoint = endpoint_of(cfg, spec)
+    url = cfg.api_base + ENDPOINT_PATHS[endpoint]
     start = time.perf_counter()
     result.send_time = start - t0
     last_content: float | None = None
@@ -165,14 +243,24 @@ async def send_request(
                 chunk = json.loads(data)
                 if not isinstance(chunk, dict):
                     continue
-                if chunk.get("error") is not None:
-                    result.error = f"in-stream error: {_error_message(chunk)}"
+                error = chunk_error(chunk, endpoint)
+                if error is not None:
+                    result.error = f"in-stream error: {error}"
                     return
-                usage = chunk.get("usage")
-                if isinstance(usage, dict):
+                usage = chunk_usage(chunk, endpoint)
+                if usage is not None:
                     result.usage_output_tokens = _count(usage.get("completion_tokens"))
                     result.prompt_tokens = _count(usage.get("prompt_tokens"))
-                if chunk_text(chunk, cfg.endpoint):
+                    details = usage.get("prompt_tokens_details") or usage.get(
+                        "input_tokens_details"
+                    )
+                    if isinstance(details, dict):
+                        result.cached_tokens = _count(details.get("cached_tokens"))
+                    if endpoint == "responses":
+                        break  # the final event: the Responses stream has no [DONE]
+                text = chunk_text(chunk, endpoint)
+                if text:
+                    result.text += text
                     if last_content is None:
                         result.ttft = now - start
                     else:
@@ -209,18 +297,32 @@ async def run_requests(
     """Send `specs[i]` at `offsets[i]` seconds after the start; stop early when `stop` is set.
 
     On `stop`, no new request is sent and the in-flight ones are cancelled (their streams
-    closed, so the server can abort them) and marked `cancelled`.
+    closed, so the server can abort them) and marked `cancelled`. The later turns of a
+    conversation (`spec.turn > 1`) are not scheduled: each is sent as soon as the previous
+    turn's answer arrived, with the history before it; a failed turn ends its conversation.
     """
     results = [
-        RequestResult(s.index, s.max_tokens, target_input_len=s.target_input_len) for s in specs
+        RequestResult(
+            s.index,
+            s.max_tokens,
+            target_input_len=s.target_input_len,
+            turn=s.turn if s.conversation is not None else None,
+        )
+        for s in specs
     ]
+    later_turns: dict[int, list[tuple[RequestSpec, RequestResult]]] = {}
+    for spec, result in zip(specs, results, strict=True):
+        if spec.conversation is not None:
+            turns = later_turns.setdefault(spec.conversation, [])
+            if spec.turn > 1:
+                turns.append((spec, result))
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
 
-        async def one(spec: RequestSpec, result: RequestResult) -> None:
+        async def send(spec: RequestSpec, result: RequestResult) -> None:
             if semaphore is None:
                 await send_request(client, cfg, spec, arm, result, t0)
             else:
@@ -229,11 +331,25 @@ async def run_requests(
             if on_done is not None:
                 on_done(result)
 
+        async def one(spec: RequestSpec, result: RequestResult) -> None:
+            await send(spec, result)
+            history = spec.as_messages()
+            conversation = spec.conversation
+            for next_spec, next_result in [] if conversation is None else later_turns[conversation]:
+                if not result.success:
+                    return
+                history = [*history, {"role": "assistant", "content": result.text}]
+                history += next_spec.as_messages()
+                spec, result = dataclasses.replace(next_spec, messages=history), next_result
+                await send(spec, result)
+
         start_wall = time.time()
         t0 = time.perf_counter()
         tasks: list[asyncio.Task[None]] = []
         stop_task = asyncio.create_task(stop.wait())
         for spec, result, offset in zip(specs, results, offsets, strict=True):
+            if spec.turn > 1:
+                continue  # sent by its conversation, after the turn before it
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.wait({stop_task}, timeout=delay)

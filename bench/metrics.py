@@ -21,8 +21,10 @@ Per run (one arm at one rate), over the requests that completed:
   / duration; total token throughput = (prompt + output tokens) / duration, with prompt
   tokens as the server reported them in `usage`.
 - goodput = requests meeting every SLO given (TTFT <= `--slo-ttft` ms, TPOT <= `--slo-tpot`
-  ms) / duration. A request without a TPOT (one output token) meets the TPOT SLO; one
-  without a TTFT (no text at all) misses the TTFT SLO. `None` when no SLO is given.
+  ms, or `--slo ttft=2s,tpot=200ms`) / duration. A request without a TPOT (one output token)
+  meets the TPOT SLO; one without a TTFT (no text at all) misses the TTFT SLO. `None` when no
+  SLO is given. goodput_share = those requests / (completed + failed): a failed request
+  misses its SLO. The verdict compares the share (bench/verdict.py).
 - For TTFT, TPOT, ITL and E2E: mean, p50, p90, p99 in milliseconds (numpy's linear
   interpolation between order statistics); `None` when there are no samples.
 - failed: requests that got an HTTP error status, an in-stream `error` event, or a transport
@@ -32,6 +34,7 @@ Per run (one arm at one rate), over the requests that completed:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +55,29 @@ class Slo:
     @property
     def active(self) -> bool:
         return self.ttft_ms is not None or self.tpot_ms is not None
+
+
+_SLO_UNITS = {"ms": 1.0, "s": 1000.0, "us": 0.001}
+_SLO_PART = re.compile(r"^\s*(ttft|tpot)\s*=\s*([0-9]*\.?[0-9]+)\s*(ms|s|us)?\s*$")
+
+
+def parse_slo(text: str) -> Slo:
+    """`ttft=2s,tpot=200ms` -> Slo(2000, 200). Units ms (the default), s or us."""
+    found: dict[str, float] = {}
+    for part in text.split(","):
+        match = _SLO_PART.match(part)
+        if match is None:
+            raise ValueError(
+                f"bad SLO {part.strip()!r}: expected ttft=VALUE or tpot=VALUE, e.g. ttft=2s"
+            )
+        key, number, unit = match.groups()
+        if key in found:
+            raise ValueError(f"{key} is given twice")
+        value = float(number) * _SLO_UNITS[unit or "ms"]
+        if value <= 0:
+            raise ValueError(f"{key} must be positive")
+        found[key] = value
+    return Slo(found.get("ttft"), found.get("tpot"))
 
 
 def tpot(result: RequestResult) -> float | None:
@@ -104,11 +130,16 @@ def compute_metrics(
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
         "good_requests": good,
         "goodput": None if good is None else good * per_s,
+        "goodput_share": _share(good, len(done) + sum(r.error is not None for r in results)),
         "ttft_ms": summarize([r.ttft for r in done if r.ttft is not None]),
         "tpot_ms": summarize(tpots),
         "itl_ms": summarize([gap for r in done for gap in r.itl]),
         "e2e_latency_ms": summarize([r.latency for r in done if r.latency is not None]),
     }
+
+
+def _share(good: int | None, finished: int) -> float | None:
+    return None if good is None or finished == 0 else good / finished
 
 
 def error_counts(results: list[RequestResult], limit: int = 10) -> dict[str, int]:
@@ -119,3 +150,25 @@ def error_counts(results: list[RequestResult], limit: int = 10) -> dict[str, int
             counts[r.error] = counts.get(r.error, 0) + 1
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
     return dict(top)
+
+
+def prefix_cache_summary(results: list[RequestResult]) -> dict[str, Any]:
+    """How much of the prompts the server's prefix cache served, over completed requests.
+
+    `hit_rate` = cached / prompt tokens, both from usage (`prompt_tokens_details.
+    cached_tokens`); None when the server reported no cached counts. With multi-turn
+    conversations, TTFT of first turns and of later turns (ms), apart.
+    """
+    done = [r for r in results if r.success and r.prompt_tokens is not None]
+    reported = [r for r in done if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens or 0 for r in reported)
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    first = [r.ttft for r in done if r.turn == 1 and r.ttft is not None]
+    later = [r.ttft for r in done if r.turn is not None and r.turn > 1 and r.ttft is not None]
+    return {
+        "hit_rate": cached / prompt if reported and prompt else None,
+        "cached_tokens": cached if reported else None,
+        "prompt_tokens": prompt if reported else None,
+        "ttft_ms_first_turns": summarize(first) if later else None,
+        "ttft_ms_later_turns": summarize(later) if later else None,
+    }

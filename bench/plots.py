@@ -7,6 +7,9 @@
   seat; a coloured cell is a seat occupied by a request (one colour per request, a request keeps
   its seat), grey is an empty seat. Static batching shows a staircase of seats emptying until
   the whole batch is done; Orca refills a seat the iteration after it frees.
+- `comparison*.png`: the verdict, one row per metric, each arm's relative difference from the
+  first arm (%) with its 95% interval (goodput, a share, in percentage points); green better,
+  red worse, grey no significant difference, a hollow marker where there is no interval.
 """
 
 from __future__ import annotations
@@ -99,6 +102,54 @@ def plot_sweep(points: dict[str, list[dict[str, Any]]], path: Path) -> Path:
 
 def _s(ms: float | None) -> float:
     return float("nan") if ms is None else ms / 1000.0
+
+
+_VERDICT_COLOURS = {True: "tab:green", False: "tab:red", None: "tab:gray"}
+
+
+def plot_comparison(entries: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """`entries`: report.json `comparison` entries of one rate (several arms allowed)."""
+    metrics = list(dict.fromkeys(_row_label(e) for e in entries))
+    arms = list(dict.fromkeys(e["arm"] for e in entries))
+    fig = _figure(8, 1.0 + 0.45 * len(metrics) * max(1, len(arms)) ** 0.5)
+    ax = fig.subplots()
+    step = 0.6 / max(1, len(arms))
+    for j, arm in enumerate(arms):
+        offset = (j - (len(arms) - 1) / 2) * step
+        for entry in (e for e in entries if e["arm"] == arm):
+            share = entry["unit"] == "share"
+            diff, ci = (
+                (entry["diff_abs"], entry["ci95_abs"]) if share else (entry["diff"], entry["ci95"])
+            )
+            if diff is None:
+                continue
+            y = metrics.index(_row_label(entry)) + offset
+            x = diff * 100
+            colour = _VERDICT_COLOURS[entry["better"]]
+            if ci is None:
+                ax.plot([x], [y], "o", mfc="none", c=colour)
+                continue
+            err = [[x - ci[0] * 100], [ci[1] * 100 - x]]
+            ax.errorbar([x], [y], xerr=err, fmt="o", c=colour, capsize=3)
+            if len(arms) > 1:
+                ax.annotate(arm, (ci[1] * 100, y), xytext=(4, 0), textcoords="offset points",
+                            va="center", fontsize="small")  # fmt: skip
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(metrics)), metrics)
+    ax.invert_yaxis()
+    baseline = entries[0]["baseline"] if entries else ""
+    who = arms[0] if len(arms) == 1 else "arm"
+    ax.set_xlabel(f"{who} against {baseline}: difference (%; shares in points), 95% interval")
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _row_label(entry: dict[str, Any]) -> str:
+    return f"{entry['label']} (pp)" if entry["unit"] == "share" else entry["label"]
 
 
 def plot_carousel(traces: dict[str, ArmTrace], path: Path, title: str = "") -> Path | None:

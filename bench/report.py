@@ -1,26 +1,39 @@
 """Write a bench's results: report.json, report.md, requests.jsonl and the PNG plots.
 
-report.json (schema_version 1)::
+report.json (schema_version 1; `comparison` became the verdict, the ratios moved to `ratios`)::
 
     {
       "schema_version": 1, "created": ISO-8601 UTC, "interrupted": bool,
       "config": {"url", "model", "endpoint", "arms", "num_requests", "rates", "burstiness",
                  "input_len", "output_len", "dataset", "seed", "max_concurrency",
-                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups"},
+                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups",
+                 "repeats", "resamples", "replay": null | {"files", "time_scale", ...},
+                 "shared_prefix_len", "multi_turn"},
       "workload": {"num_requests", "mean_target_input_len", "mean_max_tokens"},
-      "runs": [{"arm", "rate", "start_time", "end_time", "interrupted",
+      "runs": [{"arm", "rate", "repeat", "start_time", "end_time", "interrupted",
                 "metrics": {see metrics.compute_metrics}, "mean_prompt_tokens",
                 "errors": {message: count},
                 "trace": {"available", "note", "num_iterations", "max_num_seqs",
                           "mean_batch_size", "seat_occupancy", "num_preempted",
-                          "truncated"}}],
-      "comparison": [{"rate", "baseline", "arm", "<metric>_ratio", ...}],
-      "files": {"report_md", "requests", "plots": [file names]},
+                          "truncated"},
+                "prefix_cache": {"hit_rate", "cached_tokens", "prompt_tokens",
+                                 "ttft_ms_first_turns", "ttft_ms_later_turns"}}],
+      "comparison": [{"rate", "metric", "label", "unit", "baseline", "arm",
+                      "baseline_value", "arm_value", "diff", "ci95", "diff_abs", "ci95_abs",
+                      "significant", "better", "n_baseline", "n_arm", "method", "note",
+                      "sentence"}],
+      "ratios": [{"rate", "baseline", "arm", "<metric>_ratio", ...}],
+      "files": {"report_md", "requests", "plots": [file names], "verdict_plots": [file names]},
       "notes": [str]
     }
 
-Rates are numbers, or the string "inf" for a burst. Latencies are in milliseconds,
-throughputs per second. requests.jsonl has one line per request sent, with its raw timings.
+`comparison` is the verdict (bench/verdict.py: `diff` is relative, arm / baseline - 1, and
+`diff_abs` absolute, both with 95% bootstrap intervals). `ratios` are the plain arm / baseline
+ratios of the first repeat's metrics (what `comparison` held before the verdict).
+
+Rates are numbers, or the string "inf" for a burst (a replay's rate is its mean offered
+rate). Latencies are in milliseconds, throughputs per second. requests.jsonl has one line per
+request sent, with its raw timings.
 """
 
 from __future__ import annotations
@@ -31,7 +44,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import error_counts, tpot
+from bench.comparison import bench_comparison, verdict_markdown
+from bench.metrics import compute_metrics, error_counts, prefix_cache_summary, tpot
 from bench.runner import BenchConfig, BenchResult, RunRecord, rate_label
 from bench.trace import trace_summary
 from bench.workload import RequestSpec
@@ -61,8 +75,12 @@ def write_report(cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
     out.mkdir(parents=True, exist_ok=True)
     _write_requests(out / "requests.jsonl", result.runs)
     notes: list[str] = []
+    comparison = bench_comparison(result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed)
+    for entry in comparison:
+        entry["rate"] = json_rate(entry["rate"])
     plots = _draw_plots(out, cfg, result.runs, notes)
-    report = build_report(cfg, specs, result, plots, notes)
+    verdict_plots = _draw_verdict_plots(out, cfg, comparison)
+    report = build_report(cfg, specs, result, plots, notes, comparison, verdict_plots)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
     return out / "report.json"
@@ -74,11 +92,25 @@ def build_report(
     result: BenchResult,
     plots: list[str],
     notes: list[str],
+    comparison: list[dict[str, Any]] | None = None,
+    verdict_plots: list[str] | None = None,
 ) -> dict[str, Any]:
     """The report.json document (see the module docstring)."""
     targets = [s.target_input_len for s in specs if s.target_input_len is not None]
     runs = [_run_entry(run) for run in result.runs]
     notes = list(notes)
+    if comparison is None:
+        comparison = bench_comparison(result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed)
+        for entry in comparison:
+            entry["rate"] = json_rate(entry["rate"])
+    if cfg.replay:
+        notes.append(
+            "replay: a run's rate is the record's mean offered rate; requests went out at "
+            "their recorded offsets"
+        )
+        notes += [f"replay skipped {n} records: {why}" for why, n in cfg.replay["skipped"].items()]
+    if len(cfg.arms) > 1 and not cfg.slo.active:
+        notes.append("no goodput in the verdict: give --slo ttft=...,tpot=... to compare it")
     if result.interrupted:
         notes.append(
             "interrupted (Ctrl-C): later runs did not start, in-flight requests "
@@ -106,8 +138,14 @@ def build_report(
             "mean_max_tokens": sum(s.max_tokens for s in specs) / len(specs) if specs else None,
         },
         "runs": runs,
-        "comparison": _comparison(runs),
-        "files": {"report_md": "report.md", "requests": "requests.jsonl", "plots": plots},
+        "comparison": comparison,
+        "ratios": _ratios([run for run in runs if run["repeat"] == 0]),
+        "files": {
+            "report_md": "report.md",
+            "requests": "requests.jsonl",
+            "plots": plots,
+            "verdict_plots": verdict_plots or [],
+        },
         "notes": notes,
     }
 
@@ -117,13 +155,13 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
     return {
         "url": cfg.url,
         "model": c.model,
-        "endpoint": c.endpoint,
+        "endpoint": ",".join(cfg.replay["endpoints"]) if cfg.replay else c.endpoint,
         "arms": [a for a in cfg.arms if a is not None],
         "num_requests": cfg.num_requests,
         "rates": [json_rate(r) for r in cfg.rates],
         "burstiness": cfg.burstiness,
-        "input_len": None if cfg.dataset else str(cfg.input_len),
-        "output_len": str(cfg.output_len),
+        "input_len": None if cfg.dataset or cfg.replay else str(cfg.input_len),
+        "output_len": None if cfg.replay else str(cfg.output_len),
         "dataset": cfg.dataset,
         "seed": cfg.seed,
         "max_concurrency": c.max_concurrency,
@@ -132,6 +170,11 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
         "ignore_eos": c.ignore_eos,
         "timeout_s": c.timeout_s,
         "warmups": cfg.warmups,
+        "repeats": cfg.repeats,
+        "resamples": cfg.num_resamples,
+        "replay": cfg.replay,
+        "shared_prefix_len": cfg.shared_prefix_len,
+        "multi_turn": cfg.multi_turn,
     }
 
 
@@ -140,6 +183,7 @@ def _run_entry(run: RunRecord) -> dict[str, Any]:
     return {
         "arm": run.arm,
         "rate": json_rate(run.rate),
+        "repeat": run.repeat,
         "start_time": run.outcome.start_wall,
         "end_time": run.outcome.end_wall,
         "interrupted": run.outcome.interrupted,
@@ -147,6 +191,7 @@ def _run_entry(run: RunRecord) -> dict[str, Any]:
         "mean_prompt_tokens": sum(prompts) / len(prompts) if prompts else None,
         "errors": error_counts(run.results),
         "trace": trace_summary(run.trace, run.metrics["completed"]),
+        "prefix_cache": prefix_cache_summary(run.results),
     }
 
 
@@ -157,7 +202,7 @@ def _lookup(metrics: dict[str, Any], path: tuple[str, ...]) -> float | None:
     return value if isinstance(value, int | float) else None
 
 
-def _comparison(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each arm against the first arm at the same rate: ratio = arm / baseline."""
     rows: list[dict[str, Any]] = []
     baselines: dict[Any, dict[str, Any]] = {}
@@ -181,6 +226,7 @@ def _write_requests(path: Path, runs: list[RunRecord]) -> None:
                 line = {
                     "arm": run.arm,
                     "rate": json_rate(run.rate),
+                    "repeat": run.repeat,
                     "index": r.index,
                     "success": r.success,
                     "cancelled": r.cancelled,
@@ -193,9 +239,23 @@ def _write_requests(path: Path, runs: list[RunRecord]) -> None:
                     "max_tokens": r.max_tokens,
                     "output_tokens": r.output_tokens,
                     "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "turn": r.turn,
                     "target_input_len": r.target_input_len,
                 }
                 f.write(json.dumps(line) + "\n")
+
+
+def _draw_verdict_plots(out: Path, cfg: BenchConfig, comparison: list[dict[str, Any]]) -> list[str]:
+    from bench import plots
+
+    files: list[str] = []
+    for rate in dict.fromkeys(e["rate"] for e in comparison):
+        suffix = "" if len(cfg.rates) == 1 else f"_rate{_rate(rate)}"
+        entries = [e for e in comparison if e["rate"] == rate]
+        title = f"{cfg.client.model} @ {_rate(rate)} req/s"
+        files.append(plots.plot_comparison(entries, out / f"comparison{suffix}.png", title).name)
+    return files
 
 
 def _draw_plots(out: Path, cfg: BenchConfig, runs: list[RunRecord], notes: list[str]) -> list[str]:
@@ -207,28 +267,42 @@ def _draw_plots(out: Path, cfg: BenchConfig, runs: list[RunRecord], notes: list[
         at_rate = [run for run in runs if run.rate == rate]
         suffix = "" if len(cfg.rates) == 1 else f"_rate{rate_label(rate)}"
         title = f"{cfg.client.model} @ {rate_label(rate)} req/s"
-        samples = {
-            run.arm: {
-                "ttft": [r.ttft for r in run.results if r.success and r.ttft is not None],
-                "e2e": [r.latency for r in run.results if r.success and r.latency is not None],
-            }
-            for run in at_rate
-        }
+        samples: dict[str, dict[str, list[float]]] = {}
+        for run in at_rate:  # repeats pooled
+            pool = samples.setdefault(run.arm, {"ttft": [], "e2e": []})
+            ok = [r for r in run.results if r.success]
+            pool["ttft"] += [r.ttft for r in ok if r.ttft is not None]
+            pool["e2e"] += [r.latency for r in ok if r.latency is not None]
         path = plots.plot_latency_cdfs(samples, out / f"latency_cdf{suffix}.png", title)
         files.append(path.name)
-        traces = {run.arm: run.trace for run in at_rate}
+        traces = {run.arm: run.trace for run in at_rate if run.repeat == 0}
         picture = plots.plot_carousel(traces, out / f"carousel{suffix}.png", title)
         if picture is not None:
             files.append(picture.name)
     finite = [r for r in rates if math.isfinite(r)]
     if len(finite) > 1:
         points: dict[str, list[dict[str, Any]]] = {}
-        for run in runs:
-            points.setdefault(run.arm, []).append({"rate": run.rate, "metrics": run.metrics})
+        for (name, at), pooled in _pooled_metrics(runs, cfg).items():
+            points.setdefault(name, []).append({"rate": at, "metrics": pooled})
         files.append(plots.plot_sweep(points, out / "sweep.png").name)
     elif len(cfg.rates) > 1:
         notes.append("no sweep plot: it needs at least two finite rates that ran")
     return files
+
+
+def _pooled_metrics(runs: list[RunRecord], cfg: BenchConfig) -> dict[tuple[str, float], Any]:
+    """Per (arm, rate), the metrics of all its repeats' requests over their summed durations."""
+    groups: dict[tuple[str, float], list[RunRecord]] = {}
+    for run in runs:
+        groups.setdefault((run.arm, run.rate), []).append(run)
+    return {
+        key: compute_metrics(
+            [r for run in group for r in run.results],
+            sum(run.outcome.duration_s for run in group),
+            cfg.slo,
+        )
+        for key, group in groups.items()
+    }
 
 
 def _rate(rate: float | str) -> str:
@@ -258,6 +332,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         if cfg["dataset"]
         else f"input `{cfg['input_len']}`, output `{cfg['output_len']}`"
     )
+    replay = cfg.get("replay")
+    if replay:
+        files = ", ".join(f"`{f}`" for f in replay["files"])
+        workload = (
+            f"replay of {files} at time scale {replay['time_scale']:g} "
+            f"({replay['span_s']:.1f} s; {replay['redacted']} redacted, "
+            f"{replay['pinned']} pinned to their recorded output length)"
+        )
     slo = f"TTFT <= {_fmt(cfg['slo_ttft_ms'])} ms, TPOT <= {_fmt(cfg['slo_tpot_ms'])} ms"
     lines = [
         f"# carousel bench: `{cfg['model']}`",
@@ -318,7 +400,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 for run in runs
             ],
         )
-    lines += _comparison_markdown(report["comparison"])
+    lines += _prefix_cache_markdown(runs)
+    lines += _comparison_markdown(report["ratios"])
     lines += _pictures_markdown(report)
     errors = [(run, msg, n) for run in runs for msg, n in run["errors"].items()]
     if errors:
@@ -329,39 +412,64 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [""]
     if report["notes"]:
         lines += ["## Notes", ""] + [f"- {note}" for note in report["notes"]] + [""]
+    lines += verdict_markdown(report["comparison"], _rate)
+    for name in report["files"].get("verdict_plots", []):
+        caption = "Each metric's difference from the first arm, with its 95% interval"
+        lines += [f"**{caption}** (`{name}`)", "", f"![{caption}]({name})", ""]
     return "\n".join(lines)
 
 
-def _headline(rows: list[dict[str, Any]]) -> list[str]:
-    """One sentence per compared arm: the answer to "what would it buy us?"."""
+def _headline(entries: list[dict[str, Any]]) -> list[str]:
+    """One line per compared arm: its significant differences, the answer in brief."""
+    groups: dict[tuple[Any, str, str], list[dict[str, Any]]] = {}
+    for entry in entries:
+        groups.setdefault((entry["rate"], entry["arm"], entry["baseline"]), []).append(entry)
     lines = []
-    for row in rows:
-        parts = [
-            f"{_fmt(row[f'{key}_ratio'], 2)}x {label}"
-            for key, label in (
-                ("output_throughput", "output throughput"),
-                ("goodput", "goodput"),
-                ("p50_ttft", "median TTFT"),
-                ("p99_e2e_latency", "p99 latency"),
-            )
-            if row[f"{key}_ratio"] is not None
-        ]
-        if parts:
-            lines.append(
-                f"- **{row['arm']}** against **{row['baseline']}** at {_rate(row['rate'])} req/s: "
-                + ", ".join(parts)
-            )
-    return [*lines, ""] if lines else []
+    for (rate, arm, baseline), rows in groups.items():
+        found = [row["sentence"].removeprefix(f"{arm} ") for row in rows if row["significant"]]
+        answer = "; ".join(found) if found else "no significant difference in any metric"
+        lines.append(f"- **{arm}** against **{baseline}** at {_rate(rate)} req/s: {answer}")
+    return [*lines, "", "The verdict, metric by metric, closes this report.", ""] if lines else []
+
+
+def _prefix_cache_markdown(runs: list[dict[str, Any]]) -> list[str]:
+    """The prefix cache hit rate per run (from usage), and TTFT by turn for conversations."""
+    caches = [run.get("prefix_cache") or {} for run in runs]
+    if not any(c.get("hit_rate") is not None or c.get("ttft_ms_later_turns") for c in caches):
+        return []
+    rows = []
+    for run, cache in zip(runs, caches, strict=True):
+        rate = cache.get("hit_rate")
+        first, later = (
+            cache.get("ttft_ms_first_turns") or {},
+            cache.get("ttft_ms_later_turns") or {},
+        )
+        rows.append(
+            [
+                run["arm"],
+                _rate(run["rate"]),
+                "-" if rate is None else f"{100 * rate:.1f}%",
+                _fmt(cache.get("cached_tokens")),
+                _fmt(cache.get("prompt_tokens")),
+                _fmt(first.get("p50")),
+                _fmt(later.get("p50")),
+            ]
+        )
+    header = ["arm", "rate", "cache hit rate", "cached tokens", "prompt tokens"]
+    header += ["p50 TTFT turn 1 (ms)", "p50 TTFT later turns (ms)"]
+    intro = "Prompt tokens served from the server's prefix cache (usage `cached_tokens`)."
+    return ["## Prefix cache", "", intro, "", *_table(header, rows)]
 
 
 def _comparison_markdown(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = [
-        "## Compared with the first arm",
+        "## Ratios to the first arm",
         "",
-        "Ratios arm / baseline at the same rate: above 1 is better for throughputs, "
-        "below 1 is better for latencies.",
+        "Ratios arm / baseline at the same rate (first repeat): above 1 is better for "
+        "throughputs, below 1 is better for latencies. The verdict below says which "
+        "differences are more than noise.",
         "",
     ]
     header = ["arm", "baseline", "rate"] + [key for key, _, _ in COMPARED]

@@ -1,11 +1,15 @@
 """Run the workload against every arm (and every rate of a sweep), one run at a time.
 
 Runs go rate by rate and, within a rate, arm by arm, so the arms of one rate are measured back
-to back under the same conditions. Before each run, `warmups` requests of the workload go to
-the arm unmeasured (all at once), so the first arm does not alone pay for cold caches and new
-connections. After each run the arm's iteration trace is fetched. The
-first Ctrl-C (SIGINT) stops cleanly: the current run's in-flight requests are cancelled, no
-further run starts, and what was measured is still reported; a second Ctrl-C aborts at once.
+to back under the same conditions. With `repeats` > 1, each rate runs every arm `repeats` times,
+repeat r on its own workload (seed + r; a replay's record every time), the arms' order reversed
+on odd repeats (A B, B A, A B, ...) so a slow drift of the machine favours no arm.
+
+Before each run, `warmups` requests of the workload go to the arm unmeasured (all at once), so
+the first arm does not alone pay for cold caches and new connections. After each run the arm's
+iteration trace is fetched. The first Ctrl-C (SIGINT) stops cleanly: the current run's
+in-flight requests are cancelled, no further run starts, and what was measured is still
+reported; a second Ctrl-C aborts at once.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import math
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,7 @@ from tqdm import tqdm
 from bench.client import ClientConfig, RequestResult, RunOutcome, run_requests
 from bench.metrics import Slo, compute_metrics
 from bench.trace import ArmTrace, fetch_trace, server_root
-from bench.workload import LengthDist, RequestSpec, arrival_offsets
+from bench.workload import LengthDist, RequestSpec, arrival_offsets, num_arrivals, spread_offsets
 
 DEFAULT_ARM = "default"
 
@@ -48,6 +53,13 @@ class BenchConfig:
     progress: bool = True
     fetch_trace: bool = True
     warmups: int = 0
+    repeats: int = 1
+    num_resamples: int = 2000
+    #: a replay's send times (seconds after the start), instead of arrivals drawn at a rate
+    offsets: list[float] | None = None
+    replay: dict[str, Any] | None = None  # what report.json says about the replay
+    shared_prefix_len: int = 0
+    multi_turn: int = 1
 
 
 @dataclass
@@ -60,6 +72,8 @@ class RunRecord:
     outcome: RunOutcome
     metrics: dict[str, Any]
     trace: ArmTrace = field(default_factory=ArmTrace)
+    repeat: int = 0
+    num_requests: int = 0  # the workload's size (requests never sent are missing from results)
 
     @property
     def results(self) -> list[RequestResult]:
@@ -74,6 +88,11 @@ class BenchResult:
     interrupted: bool
 
 
+def arm_name(arm: str | None) -> str:
+    """The name an arm has in the report: its header value, or "default" without one."""
+    return arm if arm is not None else DEFAULT_ARM
+
+
 def rate_label(rate: float) -> str:
     """`4.0` -> `4`, `0.5` -> `0.5`, `inf` -> `inf`."""
     if math.isinf(rate):
@@ -81,18 +100,29 @@ def rate_label(rate: float) -> str:
     return f"{rate:g}"
 
 
-async def run_bench(cfg: BenchConfig, specs: list[RequestSpec]) -> BenchResult:
-    """Run every (rate, arm) pair in turn; see the module docstring."""
+async def run_bench(cfg: BenchConfig, workloads: Sequence[list[RequestSpec]]) -> BenchResult:
+    """Run every (rate, repeat, arm) in turn; `workloads[r]` is repeat r's (module docstring)."""
     stop = asyncio.Event()
     _install_sigint(stop)
     runs: list[RunRecord] = []
     try:
         for rate in cfg.rates:
-            offsets = arrival_offsets(len(specs), rate, cfg.burstiness, cfg.seed)
-            for arm in cfg.arms:
-                runs.append(await _run_one(cfg, specs, offsets, arm, rate, stop))
-                if stop.is_set():
-                    return BenchResult(runs, interrupted=True)
+            for repeat in range(cfg.repeats):
+                specs = workloads[repeat % len(workloads)]
+                if cfg.offsets is not None:
+                    offsets = cfg.offsets
+                else:
+                    arrivals = arrival_offsets(
+                        num_arrivals(specs), rate, cfg.burstiness, cfg.seed + repeat
+                    )
+                    offsets = spread_offsets(specs, arrivals)
+                arms = cfg.arms if repeat % 2 == 0 else cfg.arms[::-1]
+                for arm in arms:
+                    record = await _run_one(cfg, specs, offsets, arm, rate, stop)
+                    record.repeat = repeat
+                    runs.append(record)
+                    if stop.is_set():
+                        return BenchResult(runs, interrupted=True)
     finally:
         _remove_sigint()
     return BenchResult(runs, interrupted=False)
@@ -106,13 +136,14 @@ async def _run_one(
     rate: float,
     stop: asyncio.Event,
 ) -> RunRecord:
-    name = arm if arm is not None else DEFAULT_ARM
+    name = arm_name(arm)
     if cfg.warmups:
-        warmup = [specs[i % len(specs)] for i in range(cfg.warmups)]
+        firsts = [spec for spec in specs if spec.turn == 1]
+        warmup = [firsts[i % len(firsts)] for i in range(cfg.warmups)]
         await run_requests(cfg.client, warmup, [0.0] * len(warmup), arm, stop)
     bar = tqdm(
         total=len(specs),
-        desc=f"{name} @ {rate_label(rate)} req/s",
+        desc=f"{name} @ {rate_label(rate)} req/s" + (" (replay)" if cfg.replay else ""),
         unit="req",
         disable=None if cfg.progress else True,
         file=sys.stderr,
@@ -124,7 +155,7 @@ async def _run_one(
     finally:
         bar.close()
     metrics = compute_metrics(outcome.results, outcome.duration_s, cfg.slo)
-    record = RunRecord(name, arm, rate, outcome, metrics)
+    record = RunRecord(name, arm, rate, outcome, metrics, num_requests=len(specs))
     if cfg.fetch_trace:
         root = server_root(cfg.client.api_base)
         window = (outcome.start_wall, outcome.end_wall)

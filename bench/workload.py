@@ -24,10 +24,19 @@ with its leading space as a single token, so the prompt lands within a few perce
 target, plus the chat template's own tokens. The bench records the `prompt_tokens` the server
 reports, so the report shows the real sizes. Each prompt is drawn independently, so prompts
 share no long prefix (a prefix cache cannot make them cheaper).
+
+Two workloads share prefixes on purpose, for prefix caching:
+
+- `--shared-prefix-len N` (`add_shared_prefix`): every conversation starts with the same
+  N-word system prompt (as vLLM's `prefix_repetition` dataset does), then its own question.
+- `--multi-turn K` (`build_conversations`): `--num-requests` conversations of K turns; each
+  turn's question is drawn like a prompt above, and the client sends turn t + 1 after turn t's
+  answer arrived, with the whole history (questions and the answers as received).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -164,13 +173,22 @@ def synthetic_prompt(rng: np.random.Generator, num_tokens: int) -> str:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request of the workload: a prompt (or chat messages) and its output length."""
+    """One request of the workload: a prompt (or chat messages) and its output length.
+
+    A replayed request (bench/replay.py) carries its whole `body` and its `endpoint` instead.
+    """
 
     index: int
     max_tokens: int
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     target_input_len: int | None = None
+    body: dict[str, Any] | None = None
+    endpoint: Literal["chat", "completions", "responses"] | None = None
+    #: multi-turn: the conversation, and this request's turn in it (1 = sent on schedule;
+    #: a later turn carries only its new messages, the client prepends the history)
+    conversation: int | None = None
+    turn: int = 1
 
     def as_messages(self) -> list[dict[str, Any]]:
         """The chat form: the dataset's messages, or the prompt as one user message."""
@@ -256,3 +274,61 @@ def build_workload(
         RequestSpec(i, outputs[i], synthetic_prompt(text_rng, inputs[i]), None, inputs[i])
         for i in range(num_requests)
     ]
+
+
+def build_conversations(
+    num_conversations: int, turns: int, input_len: LengthDist, output_len: LengthDist, seed: int
+) -> list[RequestSpec]:
+    """`num_conversations` conversations of `turns` synthetic questions each, in order."""
+    n = num_conversations * turns
+    inputs = input_len.sample(np.random.default_rng([seed, 3]), n)
+    outputs = output_len.sample(np.random.default_rng([seed, 2]), n)
+    text_rng = np.random.default_rng([seed, 4])
+    return [
+        RequestSpec(
+            index=i,
+            max_tokens=outputs[i],
+            messages=[{"role": "user", "content": synthetic_prompt(text_rng, inputs[i])}],
+            target_input_len=inputs[i],
+            conversation=i // turns,
+            turn=i % turns + 1,
+        )
+        for i in range(n)
+    ]
+
+
+def add_shared_prefix(specs: list[RequestSpec], prefix_len: int, seed: int) -> list[RequestSpec]:
+    """Every conversation's first request starts with one shared `prefix_len`-word system
+    prompt (a later turn has it in its history already)."""
+    system = {
+        "role": "system",
+        "content": synthetic_prompt(np.random.default_rng([seed, 5]), prefix_len),
+    }
+    return [
+        dataclasses.replace(
+            spec,
+            prompt=None,
+            messages=[system, *spec.as_messages()],
+            target_input_len=None
+            if spec.target_input_len is None
+            else spec.target_input_len + prefix_len,
+        )
+        if spec.turn == 1
+        else spec
+        for spec in specs
+    ]
+
+
+def num_arrivals(specs: list[RequestSpec]) -> int:
+    """Requests sent on the arrival schedule: every one but the later turns of a conversation."""
+    return sum(spec.turn == 1 for spec in specs)
+
+
+def spread_offsets(specs: list[RequestSpec], offsets: list[float]) -> list[float]:
+    """One send time per spec from one per arrival: a later turn gets its conversation's
+    (the client sends it when the previous answer arrived, not at that time)."""
+    per_spec: list[float] = []
+    arrivals = iter(offsets)
+    for spec in specs:
+        per_spec.append(next(arrivals) if spec.turn == 1 else per_spec[-1])
+    return per_spec

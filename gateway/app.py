@@ -34,6 +34,7 @@ from gateway.auth import APIKeyMiddleware
 from gateway.context import RequestContext
 from gateway.deployment import Deployment, Deployments
 from gateway.deployment_factory import deployment_from_settings
+from gateway.endpoints import BY_PATH
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import (
@@ -44,11 +45,9 @@ from gateway.middleware import (
 )
 from gateway.routes import router
 from gateway.settings import Settings
+from gateway.traffic_record import TrafficRecorder
 
 log = structlog.get_logger("carousel.gateway")
-
-#: the OpenAI endpoints, by the `endpoint` label their requests are counted under
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
 @dataclass
@@ -60,6 +59,8 @@ class GatewayState:
     metrics: GatewayMetrics
     on_fatal: Callable[[], None] | None = None
     load_failed: bool = False
+    #: the traffic record (`--record-traffic`), None when off
+    recorder: TrafficRecorder | None = None
     admission: Admission = field(default_factory=Admission)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -67,6 +68,9 @@ class GatewayState:
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():
             arm.bind_metrics(self.metrics, deployment.name)
+        for deployment in self.deployments:
+            for mirror in deployment.mirrors:
+                mirror.start(self.metrics)
         self._start_task = asyncio.create_task(self._start_arms())
 
     async def _start_arms(self) -> None:
@@ -100,8 +104,13 @@ class GatewayState:
             self._start_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._start_task
+        for deployment in self.deployments:
+            for mirror in deployment.mirrors:
+                await mirror.stop()
         for _, arm in self.deployments.arms():
             await arm.stop()
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
 
     async def drain(self, timeout_s: float, grace_s: float = 2.0) -> None:
         """Refuse new requests (503), give those in flight `timeout_s` to finish, then stop
@@ -120,7 +129,7 @@ class GatewayState:
     def record_refusal(self, scope: Scope, status: int, message: str) -> None:
         """Log (and, on the OpenAI endpoints, count) a request a middleware refused."""
         request_id = scope.get("state", {}).get("request_id", "")
-        endpoint = _ENDPOINTS.get(scope["path"])
+        endpoint = BY_PATH.get(scope["path"])
         if endpoint is None:
             log.info("refused", path=scope["path"], status=status, request_id=request_id)
             return
@@ -128,7 +137,7 @@ class GatewayState:
         async def connected() -> bool:
             return False
 
-        ctx = RequestContext(request_id, endpoint, "", connected, metrics=self.metrics)
+        ctx = RequestContext(request_id, endpoint.name, "", connected, metrics=self.metrics)
         ctx.finish(status, message)
 
 
@@ -149,7 +158,11 @@ def create_app(
     settings = settings or Settings.load()
     served = Deployments(deployments or [deployment_from_settings(settings)])
     app = FastAPI(title="Carousel", version=carousel_version(), lifespan=_lifespan)
-    state = GatewayState(settings, served, GatewayMetrics(served.gauges))
+    metrics = GatewayMetrics(served.gauges, served.infos)
+    state = GatewayState(settings, served, metrics, recorder=traffic_recorder(settings))
+    if state.recorder is not None:
+        recorder = state.recorder
+        metrics.watch_traffic_record(lambda: (recorder.written, recorder.dropped))
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
@@ -170,6 +183,17 @@ def create_app(
     )
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def traffic_recorder(settings: Settings) -> TrafficRecorder | None:
+    """The traffic record `--record-traffic` asks for (None when off)."""
+    if settings.record_traffic is None:
+        return None
+    return TrafficRecorder(
+        settings.record_traffic,
+        redact=settings.record_redact,
+        max_bytes=settings.record_max_bytes,
+    )
 
 
 class GatewayServer(uvicorn.Server):

@@ -1,7 +1,8 @@
 """`carousel serve | generate | bench`.
 
-Flags are given to Settings only when the user typed them (argparse.SUPPRESS defaults), so
-the precedence is flags > CAROUSEL_* env > YAML (--config) > built-in defaults.
+The flags are derived from the settings (gateway/settings_cli.py) and given to Settings only
+when the user typed them, so the precedence is flags > CAROUSEL_* env > YAML (--config) >
+built-in defaults. Invalid settings are refused before the server starts.
 """
 
 from __future__ import annotations
@@ -17,69 +18,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from gateway.setting_groups import GROUPS
 from gateway.settings import Settings
-
-_NOT_SETTINGS = {"command", "func", "config", "prompt", "max_tokens", "temperature", "seed", "chat"}
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """Flags shared by `serve` and `generate`: which model and how it runs."""
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", help="default | HF directory | file.gguf | hub id")
-    g.add_argument("--backend", choices=["torch", "sim"], help="torch (real model) or sim")
-    g.add_argument("--scheduler", help="batching policy: orca (iteration-level) or static")
-    g.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, help="token budget of one iteration")
-    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
-    g.add_argument("--batch-wait-ms", type=float, help="static: wait this long to fill a batch")
-    g.add_argument("--enable-chunked-prefill", action="store_true", default=argparse.SUPPRESS)
-    g.add_argument("--kv-cache-gb", type=float, help="KV cache size (default: planned)")
-    g.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
-    g.add_argument("--dtype", help="bfloat16, float16, float32")
-    g.add_argument("--block-size", type=int, help="KV block size in tokens")
-    g.add_argument(
-        "--prepack-weights",
-        action=argparse.BooleanOptionalAction,
-        help="CPU: a oneDNN-prepacked weight copy for decode matmuls (default: yes)",
-    )
-    g.add_argument("--sim-time-scale", type=float, help="sim: sleep this x the modelled time")
-    g.add_argument("--config", default=None, help="YAML settings file (or $CAROUSEL_CONFIG)")
+from gateway.settings_cli import add_setting_flags, settings_kwargs
 
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser(
         "serve", help="serve the OpenAI-compatible API", argument_default=argparse.SUPPRESS
     )
-    _add_model_flags(p)
-    g = p.add_argument_group("HTTP")
-    g.add_argument("--served-model-name", help="name clients use (default: from --model)")
-    g.add_argument("--host", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, help="port (default 8000)")
-    g.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="extend",
-        nargs="+",
-        metavar="KEY",
-        help="require one of these Bearer keys on /v1 (repeatable)",
-    )
-    g.add_argument("--max-body-bytes", type=int, help="413 above this request size")
-    g.add_argument("--max-waiting-requests", type=int, help="429 when this many are queued")
-    g.add_argument("--max-prompt-tokens", type=int, help="400 above this many prompt tokens")
-    g.add_argument(
-        "--max-queue-wait-s", type=float, help="429 when not scheduled within this many seconds"
-    )
-    g.add_argument(
-        "--drain-timeout-s", type=float, help="on SIGTERM, let requests finish this long"
-    )
-    g.add_argument(
-        "--metrics-open",
-        action=argparse.BooleanOptionalAction,
-        help="serve /metrics without an API key (default: yes)",
-    )
-    g.add_argument("--default-max-tokens", type=int, help="cap when max_tokens is absent")
-    g.add_argument("--log-level", help="debug, info, warning, error")
-    g.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+    add_setting_flags(p, tuple(GROUPS))
+    p.add_argument("--config", default=None, help="YAML settings file (or $CAROUSEL_CONFIG)")
     p.set_defaults(func=serve)
 
 
@@ -90,7 +39,8 @@ def _add_generate(sub: Any) -> None:
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("prompt")
-    _add_model_flags(p)
+    add_setting_flags(p, ("model", "cache", "scheduler"))
+    p.add_argument("--config", default=None, help="YAML settings file (or $CAROUSEL_CONFIG)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -123,8 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    overrides = {k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS}
-    return Settings.load(getattr(args, "config", None), **overrides)
+    return Settings.load(getattr(args, "config", None), **settings_kwargs(args))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -176,7 +125,7 @@ def _shut_down(signum: int, frame: FrameType | None) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from gateway.local_arm import load_backend, scheduler_config
+    from gateway.engine_factory import load_backend, scheduler_config
     from schedulers.llm import LLM
     from schedulers.sampling_params import SamplingParams
 
@@ -191,7 +140,8 @@ def generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
-    with LLM(backend, settings.scheduler, scheduler_config(settings)) as llm:
+    config = scheduler_config(settings)
+    with LLM(backend, settings.scheduler, config, settings.scheduler_options) as llm:
         [result] = llm.generate([ids], params)
     choice = result.choices[0]
     if choice.error:

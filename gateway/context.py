@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 
 from gateway.metrics import GatewayMetrics
+from gateway.traffic_record import TrafficEntry, TrafficRecorder
 
 log = structlog.get_logger("carousel.gateway")
 
@@ -41,6 +42,8 @@ class RequestContext:
     arm: str | None = None
     scheduler: str | None = None
     prompt_tokens: int = 0
+    #: of the prompt tokens, those the prefix cache served (first choice of each prompt)
+    cached_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
@@ -52,10 +55,22 @@ class RequestContext:
     _last_token_at: float | None = None
     #: the engine's id; differs from `request_id` (by a suffix) when the client chose that
     engine_request_id: str = ""
+    #: called once when the arm has accepted the request (shadow arms get their copy then)
+    on_accepted: Callable[[], None] | None = None
+    #: the traffic record, and the path its lines name (None: not recorded)
+    recorder: TrafficRecorder | None = None
+    path: str = ""
     _done: bool = False
 
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
+
+    def accept(self) -> None:
+        """The arm took the request (it is queued, or its upstream answered): run
+        `on_accepted`, once."""
+        callback, self.on_accepted = self.on_accepted, None
+        if callback is not None:
+            callback()
 
     def mark_token(self) -> None:
         """Record a token delivery: the first sets TTFT, later ones add an ITL gap."""
@@ -81,6 +96,7 @@ class RequestContext:
             "stream": self.stream,
             "status": status,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "total_s": round(total_s, 6),
@@ -93,3 +109,21 @@ class RequestContext:
         log.info("request", **fields)
         if self.metrics is not None:
             self.metrics.observe_request(self, status, total_s)
+        if self.recorder is not None and self.raw_body:
+            self.recorder.record(self._entry(status, fields["finish_reason"], total_s))
+
+    def _entry(self, status: int, finish_reason: str | None, total_s: float) -> TrafficEntry:
+        return TrafficEntry(
+            arrival=self.start,
+            endpoint=self.path,
+            body=self.raw_body,
+            arm=self.arm,
+            model=self.model,
+            request_id=self.request_id,
+            status=status,
+            finish_reason=finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            ttft_s=self.ttft_s,
+            e2e_s=total_s,
+        )

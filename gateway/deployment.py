@@ -1,28 +1,31 @@
 """The model layer: a served model name (`Deployment`) and the arms that can answer for it.
 
-An `Arm` takes a validated OpenAI request and returns either a whole response body or a
-stream of chunk payloads (JSON strings, framed as SSE by the route). A `LocalArm`
-(gateway/local_arm.py) runs an Engine in this process; an upstream arm would proxy the same
-request to another OpenAI-compatible server with httpx. Today every deployment has one
-local arm; `Deployment.pick` is where an A/B split chooses among several.
+An `Arm` serves any endpoint of the table (gateway/endpoints.py) through one method: it
+takes a validated OpenAI request and returns either a whole response body or a stream of
+chunk payloads (JSON strings, framed as SSE by the route). A `LocalArm`
+(gateway/local_arm.py) runs the endpoint's local pipeline on an Engine in this process; an
+`UpstreamArm` forwards the body to another OpenAI-compatible server. `Deployment.pick` is
+where an A/B split chooses among several arms.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
+
+from pydantic import BaseModel
 
 from gateway.context import RequestContext
+from gateway.endpoint import Endpoint, Reply
 from gateway.errors import invalid, model_not_found, unavailable
-from gateway.metrics import ArmGauges, GatewayMetrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.metrics import ArmGauges, ArmInfo, GatewayMetrics
 from gateway.routing import ARM_HEADER, choose_by_weight, draw_point
+from gateway.shadow import ShadowCopy, ShadowMirror
 
-#: a non-streaming reply is the response body; a streaming one yields chunk payloads (JSON)
-Reply: TypeAlias = dict[str, Any] | AsyncIterator[str]
+__all__ = ["Arm", "Deployment", "Deployments", "Reply"]
 
 
 class Arm(abc.ABC):
@@ -32,6 +35,10 @@ class Arm(abc.ABC):
     kind: str
     #: share of the deployment's traffic (relative to the other arms' weights)
     weight: float = 1.0
+    #: a shadow arm gets no traffic of its own, only copies of accepted requests
+    shadow: bool = False
+    #: the share of requests a shadow arm is sent a copy of
+    shadow_fraction: float = 1.0
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -56,12 +63,8 @@ class Arm(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def chat(self, request: ChatCompletionRequest, ctx: RequestContext) -> Reply:
-        """Serve POST /v1/chat/completions."""
-
-    @abc.abstractmethod
-    async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
-        """Serve POST /v1/completions."""
+    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
+        """Serve one request of `endpoint` (`request` is its validated request model)."""
 
     def bind_metrics(self, metrics: GatewayMetrics, model: str) -> None:  # noqa: B027
         """Called once before `start`: where the arm reports engine-level series."""
@@ -74,14 +77,32 @@ class Arm(abc.ABC):
         """Engine occupancy for /metrics (None for arms without a local engine)."""
         return None
 
+    @abc.abstractmethod
+    def info(self, model: str) -> ArmInfo:
+        """What the arm is and which device group it computes on (`carousel_arm_info`)."""
+
 
 @dataclass
 class Deployment:
-    """A model name clients ask for and the arms that serve it."""
+    """A model name clients ask for and the arms that serve it (shadows included)."""
 
     name: str
     arms: list[Arm]
     created: int = field(default_factory=lambda: int(time.time()))
+    mirrors: list[ShadowMirror] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mirrors = [ShadowMirror(a, a.shadow_fraction) for a in self.arms if a.shadow]
+
+    @property
+    def primaries(self) -> list[Arm]:
+        """The arms that take traffic of their own."""
+        return [a for a in self.arms if not a.shadow]
+
+    def mirror(self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext) -> None:
+        """Offer a copy of an accepted request to every shadow arm (never waits)."""
+        for mirror in self.mirrors:
+            mirror.offer(ShadowCopy(endpoint, body, ctx.request_id, self.name))
 
     def pick(
         self,
@@ -95,10 +116,10 @@ class Deployment:
             arm = self.arm(requested)
             self._check_available(arm, retry_after_s)
         else:
-            ready = [a for a in self.arms if a.unavailable_reason is None]
+            ready = [a for a in self.primaries if a.unavailable_reason is None]
             chosen = choose_by_weight(ready, draw_point(user))
             if chosen is None:  # nothing ready: report why the first weighted arm is not
-                weighted = [a for a in self.arms if a.weight > 0] or self.arms
+                weighted = [a for a in self.primaries if a.weight > 0] or self.primaries
                 self._check_available(weighted[0], retry_after_s)
                 raise unavailable(f"No arm of `{self.name}` can serve now", retry_after_s)
             arm = chosen
@@ -150,8 +171,12 @@ class Deployments:
                 yield deployment, arm
 
     def unavailable_reason(self) -> tuple[str, bool] | None:
-        """(reason, is_loading) of the first arm that cannot serve; None when all can."""
+        """(reason, is_loading) of the first primary arm that cannot serve; None when all can.
+
+        NOTE: a shadow arm's state never makes the deployment unready."""
         for deployment, arm in self.arms():
+            if arm.shadow:
+                continue
             reason = arm.unavailable_reason
             if reason is not None:
                 return f"{deployment.name}/{arm.name}: {reason}", arm.is_loading
@@ -159,3 +184,6 @@ class Deployments:
 
     def gauges(self) -> list[ArmGauges]:
         return [g for d, a in self.arms() if (g := a.gauges(d.name)) is not None]
+
+    def infos(self) -> list[ArmInfo]:
+        return [a.info(d.name) for d, a in self.arms()]

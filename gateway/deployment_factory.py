@@ -10,20 +10,18 @@ from __future__ import annotations
 from backends.upstream import UpstreamConfig
 from gateway.arm_settings import ArmSettings
 from gateway.deployment import Arm, Deployment
-from gateway.local_arm import (
-    LocalArm,
-    SharedWeights,
-    load_backend,
-    scheduler_config,
-    serving_options,
-)
+from gateway.engine_factory import SharedWeights, load_backend, scheduler_config, serving_options
+from gateway.local_arm import LocalArm
 from gateway.settings import Settings
 from gateway.upstream_arm import UpstreamArm
 
 
 def arm_settings(settings: Settings, arm: ArmSettings) -> Settings:
-    """The top-level settings with a local arm's own knobs laid over them."""
-    return settings.model_copy(update=arm.engine_overrides())
+    """The top-level settings with a local arm's own knobs laid over them (both validated)."""
+    update = arm.engine_overrides()
+    options = update.pop("scheduler_options", {})
+    update["scheduler_options"] = {**settings.scheduler_options, **options}
+    return settings.model_copy(update=update)
 
 
 def local_arm(settings: Settings, name: str, weight: float, weights: SharedWeights) -> LocalArm:
@@ -32,8 +30,8 @@ def local_arm(settings: Settings, name: str, weight: float, weights: SharedWeigh
         lambda: load_backend(settings, weights),
         scheduler=settings.scheduler,
         config=scheduler_config(settings),
+        policy_options=settings.scheduler_options,
         options=serving_options(settings),
-        max_model_len=settings.max_model_len,
     )
     arm.weight = weight
     return arm
@@ -55,9 +53,16 @@ def deployment_from_settings(settings: Settings) -> Deployment:
             settings.model_name, [local_arm(settings, settings.scheduler, 1.0, weights)]
         )
     arms: list[Arm] = []
-    for arm in settings.arms:
-        if arm.upstream is not None:
-            arms.append(upstream_arm(arm))
+    for spec in settings.arms:
+        if spec.upstream is not None:
+            arm: Arm = upstream_arm(spec)
         else:
-            arms.append(local_arm(arm_settings(settings, arm), arm.name, arm.weight, weights))
-    return Deployment(settings.model_name, arms)
+            arm = local_arm(arm_settings(settings, spec), spec.name, spec.weight, weights)
+        arm.shadow, arm.shadow_fraction = spec.shadow, spec.shadow_fraction
+        arms.append(arm)
+    deployment = Deployment(settings.model_name, arms)
+    specs = {spec.name: spec for spec in settings.arms}
+    for mirror in deployment.mirrors:
+        spec = specs[mirror.arm.name]
+        mirror.queue_size, mirror.concurrency = spec.shadow_queue_size, spec.shadow_concurrency
+    return deployment

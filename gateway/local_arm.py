@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from backends.base import Backend
+from pydantic import BaseModel
+
 from gateway.context import RequestContext
 from gateway.deployment import Arm, Reply
-from gateway.metrics import ArmGauges, GatewayMetrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving_chat import serve_chat
+from gateway.endpoint import Endpoint
+from gateway.metrics import ArmGauges, ArmInfo, GatewayMetrics, local_device_group
 from gateway.serving_common import EngineRuntime, ServingOptions
-from gateway.serving_completion import serve_completion
-from gateway.settings import Settings
+from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
 
@@ -25,7 +23,7 @@ class LocalArm(Arm):
     """A scheduler policy and a backend, driven by an Engine loop thread.
 
     `load_backend` runs on a worker thread in `start` (loading weights takes seconds); the
-    engine's context window is `max_model_len` if given, else the backend's.
+    engine decides the context window (`config.max_model_len`, capped by the backend's).
     """
 
     kind = "local"
@@ -37,15 +35,15 @@ class LocalArm(Arm):
         *,
         scheduler: str = "orca",
         config: SchedulerConfig | None = None,
+        policy_options: Mapping[str, Any] | None = None,
         options: ServingOptions | None = None,
-        max_model_len: int | None = None,
     ) -> None:
         self.name = name
         self.scheduler = scheduler
         self._load_backend = load_backend
         self._config = config or SchedulerConfig()
+        self._policy_options = dict(policy_options or {})
         self._options = options or ServingOptions()
-        self._max_model_len = max_model_len
         self._runtime: EngineRuntime | None = None
         self._loading = False
         self._load_error: str | None = None
@@ -59,8 +57,8 @@ class LocalArm(Arm):
         name: str | None = None,
         scheduler: str = "orca",
         config: SchedulerConfig | None = None,
+        policy_options: Mapping[str, Any] | None = None,
         options: ServingOptions | None = None,
-        max_model_len: int | None = None,
     ) -> LocalArm:
         """An arm over an already-built backend (tests, notebooks)."""
         return cls(
@@ -68,8 +66,8 @@ class LocalArm(Arm):
             lambda: backend,
             scheduler=scheduler,
             config=config,
+            policy_options=policy_options,
             options=options,
-            max_model_len=max_model_len,
         )
 
     @property
@@ -86,9 +84,13 @@ class LocalArm(Arm):
         self._loading = True
         try:
             backend = await asyncio.to_thread(self._load_backend)
-            max_model_len = min(self._max_model_len or backend.max_model_len, backend.max_model_len)
-            config = dataclasses.replace(self._config, max_model_len=max_model_len)
-            engine = Engine(backend, self.scheduler, config, name=self.name)
+            engine = Engine(
+                backend,
+                self.scheduler,
+                self._config,
+                policy_options=self._policy_options,
+                name=self.name,
+            )
             if self._metrics is not None:
                 metrics, model = self._metrics
                 metrics.watch_engine(engine, model, self.name)
@@ -128,11 +130,8 @@ class LocalArm(Arm):
     def max_model_len(self) -> int | None:
         return None if self._runtime is None else self._runtime.max_model_len
 
-    async def chat(self, request: ChatCompletionRequest, ctx: RequestContext) -> Reply:
-        return await serve_chat(self.runtime, request, ctx)
-
-    async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
-        return await serve_completion(self.runtime, request, ctx)
+    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
+        return await endpoint.local(self.runtime, request, ctx)
 
     def trace(self) -> dict[str, Any] | None:
         if self._runtime is None:
@@ -145,87 +144,19 @@ class LocalArm(Arm):
             "iterations": [dataclasses.asdict(r) for r in list(engine.trace)],
         }
 
+    def info(self, model: str) -> ArmInfo:
+        return ArmInfo(model, self.name, self.kind, local_device_group())
+
     def gauges(self, model: str) -> ArmGauges | None:
         if self._runtime is None:
             return None
         engine = self._runtime.engine
-        return ArmGauges(model, self.name, engine.num_running, engine.num_waiting, engine.kv_usage)
-
-
-# -- from settings --------------------------------------------------------------------------
-
-
-class SharedWeights:
-    """Loads (model, tokenizer) once for every torch arm of a deployment."""
-
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._lock = threading.Lock()
-        self._loaded: tuple[Any, Any] | None = None
-
-    def get(self) -> tuple[Any, Any]:
-        with self._lock:
-            if self._loaded is None:
-                from backends.torch.loader import load_model
-                from backends.torch.runner import resolve_device, resolve_dtype
-
-                device = resolve_device(self._settings.device)
-                dtype = resolve_dtype(self._settings.dtype, device)
-                self._loaded = load_model(self._settings.model, dtype=dtype)
-            return self._loaded
-
-
-def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Backend:
-    """The backend `settings` name; torch is imported only here, only when asked for.
-
-    Torch backends built with the same `weights` share one copy of the model.
-    """
-    if settings.backend == "sim":
-        from backends.sim import SimBackend
-
-        return SimBackend(
-            num_blocks=settings.sim_num_blocks,
-            block_size=settings.block_size,
-            max_model_len=settings.max_model_len or settings.sim_max_model_len,
-            time_scale=settings.sim_time_scale,
-        )
-    from backends.own_thread import call_on_own_thread
-    from backends.torch.runner import TorchBackend
-
-    def build() -> Backend:
-        model, tokenizer = (weights or SharedWeights(settings)).get()
-        return TorchBackend(
+        bm = engine.block_manager
+        return ArmGauges(
             model,
-            tokenizer,
-            device=settings.device,
-            dtype=settings.dtype,
-            kv_cache_gb=settings.kv_cache_gb,
-            block_size=settings.block_size,
-            max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            prepack_weights=settings.prepack_weights,
+            self.name,
+            engine.num_running,
+            engine.num_waiting,
+            engine.kv_usage,
+            bm.num_cached_blocks / bm.num_blocks,
         )
-
-    # NOTE: loading runs OpenMP ops; a thread that exits takes its OpenMP pool with it, so
-    # the engine thread's pool is the only one left (see backends/own_thread.py)
-    return call_on_own_thread(build, "carousel-load")
-
-
-def scheduler_config(settings: Settings) -> SchedulerConfig:
-    return SchedulerConfig(
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        batch_wait_ms=settings.batch_wait_ms,
-        enable_chunked_prefill=settings.enable_chunked_prefill,
-        max_queue_wait_s=settings.max_queue_wait_s,
-    )
-
-
-def serving_options(settings: Settings) -> ServingOptions:
-    return ServingOptions(
-        default_max_tokens=settings.default_max_tokens,
-        max_waiting_requests=settings.max_waiting_requests,
-        retry_after_s=settings.retry_after_s,
-        disconnect_poll_s=settings.disconnect_poll_s,
-        max_prompt_tokens=settings.max_prompt_tokens,
-    )

@@ -7,12 +7,14 @@ served `model` and the `arm` that served it.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ class ArmGauges:
     num_running: int
     num_waiting: int
     kv_usage: float
+    #: KV blocks no sequence holds that keep a cached prefix, as a share of all blocks
+    kv_cached: float = 0.0
 
 
 class _ArmCollector(Collector):
@@ -51,11 +55,72 @@ class _ArmCollector(Collector):
             "kv_usage": GaugeMetricFamily(
                 "carousel_kv_cache_usage_perc", "KV cache usage (0..1)", labels=["model", "arm"]
             ),
+            "kv_cached": GaugeMetricFamily(
+                "carousel_prefix_cache_blocks_perc",
+                "KV blocks no sequence holds that keep a cached prefix for reuse (0..1)",
+                labels=["model", "arm"],
+            ),
         }
         for gauges in self._read():
             for attr, family in families.items():
                 family.add_metric([gauges.model, gauges.arm], float(getattr(gauges, attr)))
         yield from families.values()
+
+
+@dataclass(frozen=True)
+class ArmInfo:
+    """What an arm is and which device it computes on, exported as `carousel_arm_info` = 1.
+
+    `kind` is "local" or "upstream"; arms with one `device_group` compete for one device
+    (`carousel ab report` calls a live comparison of such arms confounded when both were busy
+    at once). Use `local_device_group()` for local arms, `upstream_device_group(url)` for
+    upstream ones.
+    """
+
+    model: str
+    arm: str
+    kind: str
+    device_group: str
+
+
+def local_device_group() -> str:
+    """The group of every local arm of this process: they share its one device thread."""
+    return f"local:{socket.gethostname()}:{os.getpid()}"
+
+
+def upstream_device_group(base_url: str) -> str:
+    return f"upstream:{base_url.rstrip('/')}"
+
+
+class _ArmInfoCollector(Collector):
+    def __init__(self, read: Callable[[], Iterable[ArmInfo]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "carousel_arm_info",
+            "Each arm's kind and device group (1 per arm)",
+            labels=["model", "arm", "kind", "device_group"],
+        )
+        for info in self._read():
+            family.add_metric([info.model, info.arm, info.kind, info.device_group], 1.0)
+        yield family
+
+
+class _TrafficRecordCollector(Collector):
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        written, dropped = self._counts()
+        yield CounterMetricFamily(
+            "carousel_traffic_record_written", "Requests written to the traffic record", written
+        )
+        yield CounterMetricFamily(
+            "carousel_traffic_record_dropped",
+            "Requests the traffic record lost (queue full or write failed)",
+            dropped,
+        )
 
 
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -67,7 +132,11 @@ class GatewayMetrics:
     """Request-level series the gateway updates once per request, and engine-level series
     each local arm's engine feeds every iteration (`watch_engine`)."""
 
-    def __init__(self, arm_gauges: Callable[[], Iterable[ArmGauges]] | None = None) -> None:
+    def __init__(
+        self,
+        arm_gauges: Callable[[], Iterable[ArmGauges]] | None = None,
+        arm_info: Callable[[], Iterable[ArmInfo]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model", "arm"]
 
@@ -115,8 +184,26 @@ class GatewayMetrics:
             "carousel_iteration_tokens", "Tokens computed in one engine iteration", _TOKEN_BUCKETS
         )
         self.iterations = counter("carousel_iterations", "Engine iterations run")
+        self.shadow_dropped = counter(
+            "carousel_shadow_requests_dropped",
+            "Copies for a shadow arm dropped because its queue was full",
+        )
+        self.prefix_cache_queries = counter(
+            "carousel_prefix_cache_queries",
+            "Tokens of the sequences admitted, looked up in the prefix cache",
+        )
+        self.prefix_cache_hits = counter(
+            "carousel_prefix_cache_hits",
+            "Tokens of the sequences admitted, served from the prefix cache",
+        )
         if arm_gauges is not None:
             self.registry.register(_ArmCollector(arm_gauges))
+        if arm_info is not None:  # not wired: no carousel_arm_info series at all
+            self.registry.register(_ArmInfoCollector(arm_info))
+
+    def watch_traffic_record(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Export the traffic record's (written, dropped) line counts, read at scrape time."""
+        self.registry.register(_TrafficRecordCollector(counts))
 
     def observe_request(self, ctx: RequestContext, status: int, total_s: float) -> None:
         labels = (ctx.model or "", ctx.arm or "")
@@ -145,6 +232,10 @@ class GatewayMetrics:
         preemptions = self.preemptions.labels(model, arm)
         iterations = self.iterations.labels(model, arm)
         queue_time = self.queue_time.labels(model, arm)
+        queries = self.prefix_cache_queries.labels(model, arm)
+        hits = self.prefix_cache_hits.labels(model, arm)
+        block_manager = engine.block_manager
+        seen = [block_manager.prefix_cache_queries, block_manager.prefix_cache_hits]
 
         def on_iteration(record: IterationRecord) -> None:
             iterations.inc()
@@ -152,6 +243,11 @@ class GatewayMetrics:
             tokens.observe(record.num_tokens)
             if record.num_preempted:
                 preemptions.inc(record.num_preempted)
+            now = [block_manager.prefix_cache_queries, block_manager.prefix_cache_hits]
+            if now != seen:
+                queries.inc(now[0] - seen[0])
+                hits.inc(now[1] - seen[1])
+                seen[:] = now
 
         def on_finish(seq: Sequence) -> None:
             if seq.first_scheduled_time is not None:

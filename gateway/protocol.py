@@ -90,6 +90,8 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
+    #: lower runs first under the `priority` policy (vLLM's field); other policies ignore it
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
     @property
     def include_usage(self) -> bool:
@@ -167,18 +169,26 @@ class CompletionRequest(SamplingRequest):
 # -- responses ----------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`: of the prompt tokens, those the prefix cache served."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         """Usage with the total derived from its two parts."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

@@ -1,33 +1,32 @@
 """HTTP routes: parse and authenticate, pick the deployment's arm, shape its reply.
 
-The per-endpoint pipelines live with the arms (serving_chat / serving_completion); a route
-only turns the body into a request model, asks the arm, and frames the answer as JSON or
-SSE. Every request ends in exactly one access log line (`RequestContext.finish`).
+One route per endpoint of the table (gateway/endpoints.py), all served by `_serve`: it
+turns the body into the endpoint's request model, asks the arm, and frames the answer as
+JSON or SSE in the endpoint's stream format. Every request ends in exactly one access log
+line (`RequestContext.finish`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway import carousel_version
 from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
-from gateway.deployment import Arm, Reply
+from gateway.endpoint import Endpoint
+from gateway.endpoints import ENDPOINTS
 from gateway.errors import APIError, error_body, from_validation_error, invalid
 from gateway.metrics import CONTENT_TYPE
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.protocol import ModelCard, ModelList
 from gateway.routing import ARM_HEADER
 from gateway.streaming import SSEResponse
 
 if TYPE_CHECKING:
     from gateway.app import GatewayState
-
-RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 router = APIRouter()
 v1 = APIRouter(prefix="/v1")
@@ -53,37 +52,37 @@ async def read_json(request: Request) -> dict[str, Any]:
     return body
 
 
-def parse(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc.errors()) from None
 
 
-async def _serve(
-    request: Request,
-    endpoint: str,
-    model: type[RequestT],
-    call: Callable[[Arm, RequestT, RequestContext], Awaitable[Reply]],
-) -> Response:
+async def _serve(request: Request, endpoint: Endpoint) -> Response:
     state = _state(request)
     ctx = RequestContext(
         request_id=request.state.request_id,
         engine_request_id=request.state.engine_request_id,
-        endpoint=endpoint,
+        endpoint=endpoint.name,
         model="",
         is_disconnected=request.is_disconnected,
         metrics=state.metrics,
         log_prompts=state.settings.log_prompts,
+        recorder=state.recorder,
+        path=endpoint.path,
     )
     try:
         body = await read_json(request)
-        parsed = parse(model, body)
+        parsed = parse(endpoint.request_model, body)
         ctx.model, ctx.stream, ctx.raw_body = parsed.model, bool(parsed.stream), body
         deployment = state.deployments.get(parsed.model)
         requested = request.headers.get(ARM_HEADER)
         arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
-        reply = await call(arm, parsed, ctx)
+        if deployment.mirrors and not arm.shadow:
+            ctx.on_accepted = lambda: deployment.mirror(endpoint, body, ctx)
+        reply = await arm.serve(endpoint, parsed, ctx)
+        ctx.accept()
     except APIError as exc:
         ctx.finish(exc.status_code, exc.message)
         if ctx.arm is not None:
@@ -99,21 +98,22 @@ async def _serve(
     if isinstance(reply, dict):
         ctx.finish(200)
         return JSONResponse(reply, headers=headers)
-    response = SSEResponse(reply, ctx.finish, ping_s=state.settings.sse_ping_s)
+    ping_s = state.settings.sse_ping_s
+    response = SSEResponse(reply, ctx.finish, ping_s=ping_s, stream_format=endpoint.stream_format)
     response.headers.update(headers)
     return response
 
 
-@v1.post("/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await _serve(request, "chat", ChatCompletionRequest, lambda a, r, c: a.chat(r, c))
+def _route(endpoint: Endpoint) -> Any:
+    async def route(request: Request) -> Response:
+        return await _serve(request, endpoint)
+
+    route.__name__ = endpoint.name
+    return route
 
 
-@v1.post("/completions")
-async def completions(request: Request) -> Response:
-    return await _serve(
-        request, "completions", CompletionRequest, lambda a, r, c: a.completion(r, c)
-    )
+for _endpoint in ENDPOINTS:
+    router.add_api_route(_endpoint.path, _route(_endpoint), methods=["POST"], name=_endpoint.name)
 
 
 def _card(state: GatewayState, name: str) -> ModelCard:

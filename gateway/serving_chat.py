@@ -7,8 +7,6 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from gateway.context import RequestContext
-from gateway.deployment import Reply
-from gateway.engine_stream import OutputStream
 from gateway.errors import invalid, unsupported
 from gateway.logprobs import chat_logprobs
 from gateway.protocol import (
@@ -22,19 +20,9 @@ from gateway.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from gateway.serving_common import (
-    ChoiceResult,
-    EngineRuntime,
-    accept_output,
-    check_stream_options,
-    collect,
-    completion_budget,
-    encode,
-    log_ignored_fields,
-    open_stream,
-    sampling_params,
-)
-from gateway.streaming import PayloadStream
+from gateway.serving import LocalEndpoint
+from gateway.serving_common import ChoiceResult, EngineRuntime, accept_output, encode
+from schedulers.client import RequestStream
 
 # NOTE: `developer` is OpenAI's newer name for `system`; templates only know the latter.
 _TEMPLATE_ROLE = {
@@ -127,25 +115,48 @@ def render_prompt(tokenizer: Any, turns: list[dict[str, str]]) -> str:
     return str(text)
 
 
-async def serve_chat(
-    runtime: EngineRuntime, request: ChatCompletionRequest, ctx: RequestContext
-) -> Reply:
-    log_ignored_fields(request, ctx)
-    check_unsupported(request)
-    check_stream_options(request)
-    ctx.scheduler = runtime.scheduler
-    prompt = render_prompt(runtime.tokenizer, conversation(request.messages))
-    prompt_ids = await encode(runtime.tokenizer, prompt)
-    ctx.prompt_tokens = len(prompt_ids)
-    ctx.prompt_text = prompt
-    max_tokens = completion_budget(request.completion_budget, len(prompt_ids), runtime, "messages")
-    num_top = request.top_logprobs or 0
-    params = sampling_params(request, runtime, max_tokens, num_top if request.logprobs else None)
-    stream = open_stream(runtime, ctx, [prompt_ids], params, "messages")
-    if request.stream:
-        return PayloadStream(_chunks(runtime, request, ctx, stream), stream.close)
-    results = await collect(runtime, stream, ctx, request.n)
-    return _body(runtime, request, ctx, results).model_dump(mode="json")
+class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
+    """POST /v1/chat/completions on a local engine."""
+
+    prompt_param = "messages"
+
+    def check(self, request: ChatCompletionRequest) -> None:
+        check_unsupported(request)
+
+    async def prompts(
+        self, runtime: EngineRuntime, request: ChatCompletionRequest, ctx: RequestContext
+    ) -> list[list[int]]:
+        prompt = render_prompt(runtime.tokenizer, conversation(request.messages))
+        ctx.prompt_text = prompt
+        return [await encode(runtime.tokenizer, prompt)]
+
+    def requested_max_tokens(self, request: ChatCompletionRequest) -> tuple[int | None, str]:
+        if request.max_completion_tokens is not None:
+            return request.max_completion_tokens, "max_completion_tokens"
+        return request.max_tokens, "max_tokens"
+
+    def logprobs(self, request: ChatCompletionRequest) -> int | None:
+        return (request.top_logprobs or 0) if request.logprobs else None
+
+    def body(
+        self,
+        runtime: EngineRuntime,
+        request: ChatCompletionRequest,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        results: list[ChoiceResult],
+    ) -> dict[str, Any]:
+        return _body(runtime, request, ctx, results).model_dump(mode="json")
+
+    def chunks(
+        self,
+        runtime: EngineRuntime,
+        request: ChatCompletionRequest,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        stream: RequestStream,
+    ) -> AsyncGenerator[str, None]:
+        return _chunks(runtime, request, ctx, stream)
 
 
 def _body(
@@ -172,7 +183,7 @@ def _body(
         created=ctx.created,
         model=ctx.model,
         choices=choices,
-        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens),
+        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens, ctx.cached_tokens),
     )
 
 
@@ -180,7 +191,7 @@ async def _chunks(
     runtime: EngineRuntime,
     request: ChatCompletionRequest,
     ctx: RequestContext,
-    stream: OutputStream,
+    stream: RequestStream,
 ) -> AsyncGenerator[str, None]:
     """Role chunk per choice, content deltas, a finish chunk per choice, [usage]."""
     include_usage = request.include_usage
@@ -215,6 +226,8 @@ async def _chunks(
                 )
                 yield chunk([final])
         if include_usage:
-            yield chunk([], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens))
+            yield chunk(
+                [], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
+            )
     finally:
         stream.close()

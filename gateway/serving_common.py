@@ -1,4 +1,4 @@
-"""Pipeline steps shared by chat and completions: request -> SamplingParams -> engine stream.
+"""Pipeline steps shared by the local endpoints: request -> SamplingParams -> engine stream.
 
 `EngineRuntime` is what a pipeline needs from a local arm: the engine, its tokenizer and
 the serving limits. Engine exceptions become OpenAI errors here: AdmissionError -> 400
@@ -19,7 +19,6 @@ import anyio
 import structlog
 
 from gateway.context import ClientDisconnected, RequestContext
-from gateway.engine_stream import OutputStream
 from gateway.errors import (
     SHUTTING_DOWN,
     APIError,
@@ -32,6 +31,8 @@ from gateway.errors import (
 )
 from gateway.protocol import MAX_ARRAY_ITEMS, MAX_STOP_SEQUENCES, SamplingRequest
 from schedulers.base import AdmissionError
+from schedulers.client import RequestStream
+from schedulers.client import open_stream as open_engine_stream
 from schedulers.engine import Engine, EngineDeadError
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ class EngineRuntime:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        return self.engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
@@ -157,29 +158,35 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
         raise invalid(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1}).", param)
 
 
-def completion_budget(
+def context_budget(
     requested: int | None,
+    requested_param: str,
     num_prompt_tokens: int,
     runtime: EngineRuntime,
-    param: str,
+    prompt_param: str,
 ) -> int:
     """max_tokens for the engine: as asked, else min(default, what the context has left).
 
-    Raises `context_length_exceeded` when the prompt is over `max_prompt_tokens` or prompt +
-    completion exceed the context window. A `requested` budget larger than the whole window
-    is returned as is, for `sampling_params` to refuse naming its own param.
+    NOTE: the gateway's one context-length check (the engine guards its own admission).
+    Raises `context_length_exceeded` naming the param at fault: `requested_param` when the
+    asked budget alone exceeds the window, `prompt_param` when the prompt is over
+    `max_prompt_tokens` or prompt + completion exceed the window.
     """
     limit = runtime.max_model_len
-    source = "messages" if param == "messages" else "prompt"
+    source = "messages" if prompt_param == "messages" else "prompt"
     cap = runtime.options.max_prompt_tokens
     if cap is not None and cap < limit and num_prompt_tokens > cap:
         raise context_length_exceeded(
             f"This server accepts at most {cap} prompt tokens. However, your {source} has "
             f"{num_prompt_tokens} tokens. Please reduce the length of the {source}.",
-            param,
+            prompt_param,
         )
     if requested is not None and requested > limit:
-        return requested
+        raise context_length_exceeded(
+            f"{requested_param} is too large: {requested}. This model's maximum context "
+            f"length is {limit} tokens (prompt and completion together).",
+            requested_param,
+        )
     left = limit - num_prompt_tokens
     max_tokens = (
         requested if requested is not None else min(runtime.options.default_max_tokens, left)
@@ -190,7 +197,7 @@ def completion_budget(
             f"{num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in the "
             f"{source}, {max(max_tokens, 1)} in the completion). Please reduce the length of "
             f"the {source} or completion.",
-            param,
+            prompt_param,
         )
     return max_tokens
 
@@ -198,15 +205,8 @@ def completion_budget(
 def sampling_params(
     request: SamplingRequest, runtime: EngineRuntime, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
-    """The engine's SamplingParams for `request` (OpenAI defaults where a field is absent)."""
-    if max_tokens > runtime.max_model_len:
-        chat_name = getattr(request, "max_completion_tokens", None) is not None
-        name = "max_completion_tokens" if chat_name else "max_tokens"
-        raise context_length_exceeded(
-            f"{name} is too large: {max_tokens}. This model's maximum context length is "
-            f"{runtime.max_model_len} tokens (prompt and completion together).",
-            name,
-        )
+    """The engine's SamplingParams for `request` (OpenAI defaults where a field is absent);
+    `max_tokens` comes from `context_budget`."""
     stop_token_ids = list(request.stop_token_ids or [])
     check_token_ids(stop_token_ids, runtime.vocab_size, "stop_token_ids")
     if not request.skip_special_tokens:
@@ -255,7 +255,8 @@ def open_stream(
     prompts: list[list[int]],
     params: SamplingParams,
     param: str,
-) -> OutputStream:
+    priority: int = 0,
+) -> RequestStream:
     """Submit to the engine, mapping refusals to OpenAI errors (400, 429, 503)."""
     engine, options = runtime.engine, runtime.options
     num_choices = len(prompts) * params.n
@@ -275,7 +276,7 @@ def open_stream(
             options.retry_after_s,
         )
     try:
-        return OutputStream(engine, ctx.engine_request_id, prompts, params)
+        return open_engine_stream(engine, ctx.engine_request_id, prompts, params, priority)
     except AdmissionError as exc:
         if exc.code == "context_length_exceeded":
             raise context_length_exceeded(str(exc), param) from None
@@ -320,6 +321,8 @@ def record_output(ctx: RequestContext, output: RequestOutput) -> None:
         ctx.completion_tokens += len(output.token_ids)  # NOTE: so aborted requests count too
     if output.finished and output.finish_reason is not None:
         ctx.finish_reasons.append(output.finish_reason)
+        if output.index == 0:  # NOTE: prompt_tokens counts each prompt once; so does this
+            ctx.cached_tokens += output.num_cached_tokens
 
 
 def accept_output(runtime: EngineRuntime, ctx: RequestContext, output: RequestOutput) -> None:
@@ -331,7 +334,7 @@ def accept_output(runtime: EngineRuntime, ctx: RequestContext, output: RequestOu
 
 
 async def collect(
-    runtime: EngineRuntime, stream: OutputStream, ctx: RequestContext, num_choices: int
+    runtime: EngineRuntime, stream: RequestStream, ctx: RequestContext, num_choices: int
 ) -> list[ChoiceResult]:
     """Read every choice to its end, aborting if the client disconnects meanwhile."""
     results = [ChoiceResult() for _ in range(num_choices)]

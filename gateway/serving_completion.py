@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from gateway.context import RequestContext
-from gateway.deployment import Reply
-from gateway.engine_stream import OutputStream
 from gateway.errors import invalid, unsupported
 from gateway.logprobs import completion_logprobs, text_length
 from gateway.protocol import (
@@ -16,20 +15,15 @@ from gateway.protocol import (
     CompletionResponse,
     UsageInfo,
 )
+from gateway.serving import LocalEndpoint
 from gateway.serving_common import (
     ChoiceResult,
     EngineRuntime,
     accept_output,
-    check_stream_options,
     check_token_ids,
-    collect,
-    completion_budget,
     encode,
-    log_ignored_fields,
-    open_stream,
-    sampling_params,
 )
-from gateway.streaming import PayloadStream
+from schedulers.client import RequestStream
 
 
 def check_unsupported(request: CompletionRequest) -> None:
@@ -63,26 +57,48 @@ async def tokenize_prompts(runtime: EngineRuntime, request: CompletionRequest) -
     return prompts
 
 
-async def serve_completion(
-    runtime: EngineRuntime, request: CompletionRequest, ctx: RequestContext
-) -> Reply:
-    log_ignored_fields(request, ctx)
-    check_unsupported(request)
-    check_stream_options(request)
-    ctx.scheduler = runtime.scheduler
-    prompts = await tokenize_prompts(runtime, request)
-    ctx.prompt_tokens = sum(len(p) for p in prompts)
-    if isinstance(request.prompt, str):
-        ctx.prompt_text = request.prompt
-    longest = max(len(p) for p in prompts)
-    max_tokens = completion_budget(request.max_tokens, longest, runtime, "prompt")
-    params = sampling_params(request, runtime, max_tokens, request.logprobs)
-    echoes = _echo_texts(runtime, request, prompts)
-    stream = open_stream(runtime, ctx, prompts, params, "prompt")
-    if request.stream:
-        return PayloadStream(_chunks(runtime, request, ctx, stream, echoes), stream.close)
-    results = await collect(runtime, stream, ctx, len(prompts) * request.n)
-    return _body(runtime, request, ctx, results, echoes).model_dump(mode="json")
+class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
+    """POST /v1/completions on a local engine."""
+
+    prompt_param = "prompt"
+
+    def check(self, request: CompletionRequest) -> None:
+        check_unsupported(request)
+
+    async def prompts(
+        self, runtime: EngineRuntime, request: CompletionRequest, ctx: RequestContext
+    ) -> list[list[int]]:
+        if isinstance(request.prompt, str):
+            ctx.prompt_text = request.prompt
+        return await tokenize_prompts(runtime, request)
+
+    def requested_max_tokens(self, request: CompletionRequest) -> tuple[int | None, str]:
+        return request.max_tokens, "max_tokens"
+
+    def logprobs(self, request: CompletionRequest) -> int | None:
+        return request.logprobs
+
+    def body(
+        self,
+        runtime: EngineRuntime,
+        request: CompletionRequest,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        results: list[ChoiceResult],
+    ) -> dict[str, Any]:
+        echoes = _echo_texts(runtime, request, prompts)
+        return _body(runtime, request, ctx, results, echoes).model_dump(mode="json")
+
+    def chunks(
+        self,
+        runtime: EngineRuntime,
+        request: CompletionRequest,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        stream: RequestStream,
+    ) -> AsyncGenerator[str, None]:
+        echoes = _echo_texts(runtime, request, prompts)
+        return _chunks(runtime, request, ctx, stream, echoes)
 
 
 def _echo_texts(
@@ -125,7 +141,7 @@ def _body(
         created=ctx.created,
         model=ctx.model,
         choices=choices,
-        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens),
+        usage=UsageInfo.of(ctx.prompt_tokens, completion_tokens, ctx.cached_tokens),
     )
 
 
@@ -133,7 +149,7 @@ async def _chunks(
     runtime: EngineRuntime,
     request: CompletionRequest,
     ctx: RequestContext,
-    stream: OutputStream,
+    stream: RequestStream,
     echoes: list[str],
 ) -> AsyncGenerator[str, None]:
     """[Echoed prompt per choice], text deltas, a finish chunk per choice, [usage]."""
@@ -169,6 +185,8 @@ async def _chunks(
                 final = CompletionChoice(index=index, text="", finish_reason=output.finish_reason)
                 yield chunk([final])
         if include_usage:
-            yield chunk([], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens))
+            yield chunk(
+                [], UsageInfo.of(ctx.prompt_tokens, ctx.completion_tokens, ctx.cached_tokens)
+            )
     finally:
         stream.close()

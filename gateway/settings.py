@@ -1,9 +1,18 @@
-"""Gateway settings: CLI flags > `CAROUSEL_*` environment variables > YAML file > defaults.
+"""Settings: one model in five groups (model, cache, scheduler, engine, server).
 
-`Settings.load(config_file, **overrides)` builds them; `overrides` are the flags the user
-actually gave (the CLI never passes argparse defaults, so they cannot shadow env or YAML).
-The YAML file is `config_file`, else `$CAROUSEL_CONFIG`; its keys are the field names below
-(`max_num_seqs: 8`), and `-` in a key is read as `_`.
+Every knob is one field here, with its help text. Everything else is derived from these
+fields: the CLI flags (gateway/settings_cli.py, grouped as below, named like `vllm serve`'s),
+the `CAROUSEL_<NAME>` environment variables, the YAML keys, the per-arm overrides
+(gateway/arm_settings.py: the cache, scheduler and engine groups, and `backend`), and what
+reaches the engine (gateway/engine_factory.py reads `SchedulerConfig`, `ServingOptions` and
+`TorchBackend` arguments by field name). A policy's own knobs (static's `batch_wait_ms`)
+are declared by the policy (schedulers/base.py, `Options`) and join the scheduler group.
+
+Precedence: CLI flags > environment > YAML file > defaults. `Settings.load(config_file,
+**overrides)` builds them; `overrides` are the flags the user actually gave. The YAML file is
+`config_file`, else `$CAROUSEL_CONFIG`; its keys are the field names (`max_num_seqs: 8`; a
+`-` reads as `_`). An unknown key, a bad value or an unknown scheduler is refused with the
+list of what is valid, before anything starts.
 """
 
 from __future__ import annotations
@@ -12,73 +21,57 @@ import json
 import os
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
-    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
 from gateway.arm_settings import ArmSettings, check_arms
+from gateway.policy_options import policy_option_names, split_policy_options
+from gateway.setting_groups import (
+    DEFAULT_MODEL,
+    CacheSettings,
+    EngineSettings,
+    ModelSettings,
+    SchedulerSettings,
+    ServerSettings,
+    setting_names,
+    unknown_keys_message,
+)
 
-DEFAULT_MODEL = "default"
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
+ENV_PREFIX = "CAROUSEL_"
 _config_file: ContextVar[str | None] = ContextVar("carousel_config_file", default=None)
 
 
-class Settings(BaseSettings):
-    """Everything `carousel serve` can be told; see docs/quickstart.md for the flags."""
+class Settings(
+    ServerSettings, EngineSettings, SchedulerSettings, CacheSettings, ModelSettings, BaseSettings
+):
+    """Everything `carousel serve` can be told (see the module docstring)."""
 
-    model_config = SettingsConfigDict(env_prefix="CAROUSEL_", extra="forbid", frozen=True)
-
-    # -- the model and how it runs -------------------------------------------------------
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
-    backend: Literal["torch", "sim"] = "torch"
-    scheduler: str = "orca"
-    max_num_seqs: int = Field(default=32, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    max_model_len: int | None = Field(default=None, ge=1)
-    batch_wait_ms: float = Field(default=0.0, ge=0)
-    enable_chunked_prefill: bool = False
-    kv_cache_gb: float | None = Field(default=None, gt=0)
-    device: str | None = None
-    dtype: str | None = None
-    block_size: int = Field(default=16, ge=1)
-    #: CPU bf16/fp16/fp32: keep a oneDNN-prepacked copy of the weights for small matmuls
-    prepack_weights: bool = True
-    # the simulator backend (weight-free): seconds slept per simulated second, KV size
-    sim_time_scale: float = Field(default=0.0, ge=0)
-    sim_num_blocks: int = Field(default=4096, ge=1)
-    sim_max_model_len: int = Field(default=4096, ge=1)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     #: the deployment's arms (gateway/arm_settings.py); None: one local arm from the flags
     arms: list[ArmSettings] | None = None
 
-    # -- HTTP -----------------------------------------------------------------------------
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
-    #: refuse new requests with 429 while this many requests wait in an engine (None: never)
-    max_waiting_requests: int | None = Field(default=1024, ge=0)
-    #: completion budget when a request gives no max_tokens: min(this, context - prompt)
-    default_max_tokens: int = Field(default=4096, ge=1)
-    retry_after_s: int = Field(default=1, ge=0)
-    #: SSE keep-alive comment interval in seconds (0 disables)
-    sse_ping_s: float = Field(default=0.0, ge=0)
-    #: how often a non-streaming request checks whether its client went away
-    disconnect_poll_s: float = Field(default=0.1, gt=0)
-
-    # -- logs -----------------------------------------------------------------------------
-    log_level: str = "info"
-    log_prompts: bool = False
-    log_json: bool = True
+    @model_validator(mode="before")
+    @classmethod
+    def _keys(cls, data: Any) -> Any:
+        """Read `-` as `_`, gather policy options, refuse unknown keys naming the valid."""
+        if not isinstance(data, dict):
+            return data
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+        data = split_policy_options(data)
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(unknown_keys_message(unknown, setting_names()))
+        return data
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -120,17 +113,27 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _yaml_source(settings_cls)
+        return (
+            init_settings,
+            env_settings,
+            _PolicyOptionsEnv(settings_cls),
+            _yaml_source(settings_cls),
+        )
 
-    # -- reliability (docs/reliability.md) --------------------------------------------------
-    #: 400 context_length_exceeded above this many prompt tokens (None: the context window)
-    max_prompt_tokens: int | None = Field(default=None, ge=1)
-    #: 429 queue_timeout for a request the engine has not scheduled within this (None: never)
-    max_queue_wait_s: float | None = Field(default=None, gt=0)
-    #: on SIGTERM/SIGINT: 503 new requests, let those in flight run this long, then end them
-    drain_timeout_s: float = Field(default=10.0, ge=0)
-    #: serve /metrics without an API key even when api_keys are set
-    metrics_open: bool = True
+
+class _PolicyOptionsEnv(PydanticBaseSettingsSource):
+    """`CAROUSEL_<OPTION>` for the policies' own knobs (they are not fields of Settings)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        found = {
+            name: os.environ[key]
+            for name in policy_option_names()
+            if (key := f"{ENV_PREFIX}{name.upper()}") in os.environ
+        }
+        return {"scheduler_options": found} if found else {}
 
 
 def _yaml_source(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource:
@@ -140,7 +143,7 @@ def _yaml_source(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource
         loaded = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping of setting: value")
-        data = {str(k).replace("-", "_"): v for k, v in loaded.items()}
+        data = split_policy_options({str(k).replace("-", "_"): v for k, v in loaded.items()})
     return InitSettingsSource(settings_cls, init_kwargs=data)
 
 

@@ -1,9 +1,12 @@
-"""Server-Sent Events exactly as OpenAI frames them: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`.
+"""Server-Sent Events exactly as OpenAI frames them, in an endpoint's `StreamFormat`.
 
-No `event:` or `id:` lines. An error raised after the 200 went out is sent in-band as a
-`data: {"error": {...}}` event followed by `data: [DONE]`. However the response ends (done,
-client gone mid-stream, or gone before the first byte), the payload stream is closed, which
-aborts the engine request, and `on_end` reports the outcome once.
+Chat and completions: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`, no `event:` lines; an
+error raised after the 200 went out is sent in-band as `data: {"error": {...}}`, then
+`data: [DONE]`. The Responses API: `event: <type>\\ndata: <json>\\n\\n` per payload (its
+`type`), no `[DONE]`; an in-band error is an `error` event with the next `sequence_number`.
+However the response ends (done, client gone mid-stream, or gone before the first byte),
+the payload stream is closed, which aborts the engine request, and `on_end` reports the
+outcome once.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.context import CLIENT_CLOSED
+from gateway.endpoint import OPENAI_CHUNKS, StreamFormat
 from gateway.errors import APIError, server_error
 
 log = structlog.get_logger("carousel.gateway")
@@ -58,25 +62,57 @@ async def _aclose(payloads: AsyncIterator[str]) -> None:
             await aclose()
 
 
-def sse_event(payload: str) -> bytes:
-    return b"data: " + payload.encode("utf-8") + b"\n\n"
+def sse_event(payload: str, event: str | None = None) -> bytes:
+    data = b"data: " + payload.encode("utf-8") + b"\n\n"
+    return data if event is None else b"event: " + event.encode("utf-8") + b"\n" + data
 
 
-async def sse_frames(payloads: AsyncIterator[str], on_end: OnEnd) -> AsyncIterator[bytes]:
+class _Framer:
+    """Frames payloads in one `StreamFormat`, counting events for `sequence_number`."""
+
+    def __init__(self, stream_format: StreamFormat) -> None:
+        self.format = stream_format
+        self.count = 0
+
+    def frame(self, payload: str) -> bytes:
+        self.count += 1
+        if not self.format.event_lines:
+            return sse_event(payload)
+        return sse_event(payload, str(json.loads(payload).get("type", "message")))
+
+    def error(self, exc: APIError) -> bytes:
+        if not self.format.event_lines:
+            return sse_event(json.dumps(exc.body()))
+        error = exc.body()["error"]
+        body = {
+            "type": "error",
+            "code": error["code"] or error["type"],
+            "message": error["message"],
+            "param": error["param"],
+            "sequence_number": self.count,
+        }
+        return sse_event(json.dumps(body), "error")
+
+
+async def sse_frames(
+    payloads: AsyncIterator[str], on_end: OnEnd, stream_format: StreamFormat = OPENAI_CHUNKS
+) -> AsyncIterator[bytes]:
     """Frame `payloads`; `on_end(status, error)` is called once however the stream ends."""
     status, error = 200, None
+    framer = _Framer(stream_format)
     try:
         try:
             async for payload in payloads:
-                yield sse_event(payload)
+                yield framer.frame(payload)
         except APIError as exc:
             status, error = exc.status_code, exc.message
-            yield sse_event(_error_json(exc))
+            yield framer.error(exc)
         except Exception as exc:  # never a traceback on the wire
             log.exception("stream_failed")
             status, error = 500, repr(exc)
-            yield sse_event(_error_json(server_error()))
-        yield DONE
+            yield framer.error(server_error())
+        if stream_format.done:
+            yield DONE
     except BaseException:  # cancelled: the client went away mid-stream
         status, error = CLIENT_CLOSED, "client disconnected"
         raise
@@ -85,15 +121,17 @@ async def sse_frames(payloads: AsyncIterator[str], on_end: OnEnd) -> AsyncIterat
         on_end(status, error)
 
 
-def _error_json(exc: APIError) -> str:
-    return json.dumps(exc.body())
-
-
 class SSEResponse(EventSourceResponse):
     """A streaming 200 whose body is `payloads` framed as SSE (`ping_s=0`: no comments)."""
 
-    def __init__(self, payloads: AsyncIterator[str], on_end: OnEnd, ping_s: float = 0.0) -> None:
-        super().__init__(sse_frames(payloads, on_end), ping=ping_s, sep="\n")
+    def __init__(
+        self,
+        payloads: AsyncIterator[str],
+        on_end: OnEnd,
+        ping_s: float = 0.0,
+        stream_format: StreamFormat = OPENAI_CHUNKS,
+    ) -> None:
+        super().__init__(sse_frames(payloads, on_end, stream_format), ping=ping_s, sep="\n")
         self._payloads = payloads
         self._on_end = on_end
 

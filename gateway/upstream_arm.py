@@ -1,9 +1,13 @@
 """An arm answered by an upstream OpenAI-compatible server (vLLM, the OpenAI API, a Carousel).
 
-The client's JSON body is forwarded as sent (with `model` rewritten to the upstream's name
-by the client); replies come back with `model` set to the served name. Streams are passed
-through chunk by chunk, never buffered; usage is always asked of the upstream so the
-gateway can count tokens, and is stripped again when the client did not ask for it.
+Any endpoint of the table is forwarded the same way, with no per-endpoint code: the
+client's JSON body goes to the endpoint's path under the upstream's base URL as sent (with
+`model` rewritten to the upstream's name by the client); replies come back with `model`
+set to the served name. Streams are passed through chunk by chunk, never buffered. Where
+an endpoint reports usage only on request (`stream_options.include_usage`), usage is
+always asked of the upstream so the gateway can count tokens, and stripped again when the
+client did not ask for it. Usage is read in either naming (prompt/completion tokens or
+input/output tokens, at the top level or in a streamed `response` object).
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from pydantic import BaseModel
+
 from backends.upstream import UpstreamClient, UpstreamConfig, UpstreamError
 from gateway.context import RequestContext
 from gateway.deployment import Arm, Reply
+from gateway.endpoint import Endpoint
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.metrics import ArmInfo, upstream_device_group
 from gateway.streaming import PayloadStream
 
 
@@ -44,6 +51,10 @@ class UpstreamArm(Arm):
         if self._client is not None:
             await self._client.close()
 
+    def info(self, model: str) -> ArmInfo:
+        urls = ",".join(sorted(url.rstrip("/") for url in self.config.base_urls))
+        return ArmInfo(model, self.name, self.kind, upstream_device_group(urls))
+
     @property
     def unavailable_reason(self) -> str | None:
         return "the upstream client is starting" if self._client is None else None
@@ -58,14 +69,9 @@ class UpstreamArm(Arm):
             raise RuntimeError(f"arm {self.name!r} has not started")
         return self._client
 
-    async def chat(self, request: ChatCompletionRequest, ctx: RequestContext) -> Reply:
-        return await self._forward("/chat/completions", ctx)
-
-    async def completion(self, request: CompletionRequest, ctx: RequestContext) -> Reply:
-        return await self._forward("/completions", ctx)
-
-    async def _forward(self, path: str, ctx: RequestContext) -> Reply:
+    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
         ctx.scheduler = f"upstream:{self.config.model}"
+        path = endpoint.upstream_path
         headers = {"X-Request-Id": ctx.request_id}
         body = dict(ctx.raw_body)
         if not ctx.stream:
@@ -73,12 +79,15 @@ class UpstreamArm(Arm):
                 _, reply = await self.client.complete(path, body, headers)
             except UpstreamError as exc:
                 raise api_error(exc) from None
+            ctx.accept()
             _account(ctx, reply)
-            reply["model"] = ctx.model
+            _relabel(reply, ctx.model)
             return reply
-        options = body.get("stream_options")
-        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        body["stream_options"] = {"include_usage": True}
+        wants_usage = True
+        if endpoint.usage_via_stream_options:
+            options = body.get("stream_options")
+            wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            body["stream_options"] = {"include_usage": True}
         frames = self.client.stream(path, body, headers)
         try:  # NOTE: failures before the first byte become a plain HTTP error, not a stream
             first = await frames.__anext__()
@@ -87,6 +96,7 @@ class UpstreamArm(Arm):
             raise api_error(exc) from None
         except StopAsyncIteration:
             first = b"data: [DONE]\n\n"
+        ctx.accept()
         payloads = _payloads(first, frames, ctx, wants_usage)
         return PayloadStream(payloads, on_close=lambda: None)
 
@@ -124,7 +134,7 @@ async def _payloads(
                 chunk.pop("usage", None)
                 if not chunk.get("choices"):
                     continue  # the usage-only chunk the client did not ask for
-            chunk["model"] = ctx.model
+            _relabel(chunk, ctx.model)
             yield json.dumps(chunk, ensure_ascii=False)
     finally:
         await _aclose(frames)
@@ -137,23 +147,48 @@ async def _aclose(frames: AsyncIterator[bytes]) -> None:
         await aclose()
 
 
+def _relabel(body: dict[str, Any], model: str) -> None:
+    """Name the served model where the upstream named its own (a streamed `response` too)."""
+    if "model" in body:
+        body["model"] = model
+    response = body.get("response")
+    if isinstance(response, dict) and "model" in response:
+        response["model"] = model
+
+
+def _read_usage(ctx: RequestContext, body: dict[str, Any]) -> None:
+    """Token counts from `usage`, in chat/completions' or the Responses API's naming."""
+    usage = body.get("usage")
+    response = body.get("response")
+    if not usage and isinstance(response, dict):
+        usage = response.get("usage")
+    if not isinstance(usage, dict):
+        return
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    ctx.prompt_tokens = int(prompt or 0)
+    ctx.completion_tokens = int(completion or 0)
+
+
 def _account(ctx: RequestContext, reply: dict[str, Any]) -> None:
-    usage = reply.get("usage") or {}
-    ctx.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    ctx.completion_tokens = int(usage.get("completion_tokens") or 0)
+    _read_usage(ctx, reply)
     for choice in reply.get("choices") or []:
         if choice.get("finish_reason"):
             ctx.finish_reasons.append(str(choice["finish_reason"]))
+    if reply.get("object") == "response" and reply.get("status"):
+        ctx.finish_reasons.append(str(reply["status"]))
 
 
 def _account_chunk(ctx: RequestContext, chunk: dict[str, Any]) -> None:
-    usage = chunk.get("usage")
-    if usage:
-        ctx.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        ctx.completion_tokens = int(usage.get("completion_tokens") or 0)
+    _read_usage(ctx, chunk)
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        if delta.get("content") or choice.get("text"):
+        if delta.get("content") or delta.get("tool_calls") or choice.get("text"):
             ctx.mark_token()
         if choice.get("finish_reason"):
             ctx.finish_reasons.append(str(choice["finish_reason"]))
+    kind = chunk.get("type")
+    if isinstance(kind, str) and kind.endswith(".delta") and chunk.get("delta"):
+        ctx.mark_token()  # a Responses API text or arguments delta
+    if kind == "response.completed" and isinstance(chunk.get("response"), dict):
+        ctx.finish_reasons.append(str(chunk["response"].get("status", "completed")))

@@ -1,32 +1,37 @@
-"""The Scheduler plug-in contract and the registry of policies by name."""
+"""The Scheduler plug-in contract (policies and their registry: schedulers/registry.py)."""
 
 from __future__ import annotations
 
 import abc
+import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from schedulers.batch import Batch, ExecuteOutput
-from schedulers.block_manager import BlockManager, blocks_for
+from schedulers.block_manager import BlockManager, PrefixHit, blocks_for
 from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Knobs shared by every policy (`batch_wait_ms` is read by `static` only).
+    """Knobs shared by every policy (a policy's own knobs are its `Options`).
 
+    `max_model_len` is the context window (None: the backend's); the engine caps it at what
+    its backend serves and hands the policy a config where it is always set.
     `max_queue_wait_s`: a sequence never scheduled this long after it arrived is finished
     with an error (`error_code` `queue_timeout`) instead of waiting on; None: no limit.
+    `enable_prefix_caching`: the engine's block manager keeps the KV of full blocks for
+    later sequences starting with the same tokens (admission starts them after the hit).
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    batch_wait_ms: float = 0.0
+    max_model_len: int | None = None
     enable_chunked_prefill: bool = False
     max_queue_wait_s: float | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -45,31 +50,46 @@ class AdmissionError(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a policy that has none of its own."""
+
+
 class Scheduler(abc.ABC):
     """Decides, once per iteration, which sequences run and how many tokens each computes.
 
     Policies share the sequence state and the block manager; they differ only in whom they
     admit and when. Not thread-safe: the engine calls it from its loop thread only.
+
+    A policy's own knobs are a frozen dataclass named in `Options`: each field's default,
+    type and `metadata["help"]` become a flag, a `CAROUSEL_*` variable, a YAML key and a
+    per-arm override (gateway/settings.py); `__post_init__` raises ValueError on bad values.
     """
 
-    name: str = ""
+    #: the name it is registered under (set by `register_scheduler`)
+    name: ClassVar[str] = ""
+    #: the dataclass of this policy's own options
+    Options: ClassVar[type[Any]] = NoOptions
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, options: Any = None
+    ) -> None:
         self.config = config
+        self.options = self.Options() if options is None else options
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._iteration = 0
 
-    # -- admission ---------------------------------------------------------------------------
+    # -- requests in and out -------------------------------------------------------------------
 
     def check_admissible(self, seq: Sequence) -> None:
         """Raise AdmissionError when `seq` could never run, even alone."""
         total = seq.max_total_tokens
-        if total > self.config.max_model_len:
+        if total > self.max_model_len:
             raise AdmissionError(
-                f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {total} tokens ({seq.num_prompt_tokens} in the "
                 f"prompt, {seq.sampling_params.max_tokens} for the completion). Please reduce "
                 "the prompt or max_tokens."
@@ -130,6 +150,68 @@ class Scheduler(abc.ABC):
             seq.error_code = QUEUE_TIMEOUT
         return expired
 
+    # -- admission (shared by every policy) ------------------------------------------------
+
+    def prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix `seq` (waiting, holding no blocks) can start from now.
+
+        NO_HIT with prefix caching off. Valid until the block manager next changes: look it
+        up just before `admit`.
+        """
+        return self.block_manager.computed_prefix(seq)
+
+    def waits_for_leader(self, seq: Sequence) -> bool:
+        """Whether a later choice of an `n > 1` request should not start yet.
+
+        With prefix caching on, choice i > 0 waits until choice 0 (its leader) has computed
+        the prompt blocks they would share, then starts from them: the prompt is prefilled
+        once. It does not wait when its leader has finished or there is no full block to share.
+        """
+        leader = seq.leader
+        if leader is None or leader.is_finished or not self.block_manager.enable_prefix_caching:
+            return False
+        block_size = self.block_manager.block_size
+        shareable = (seq.num_prompt_tokens - 1) // block_size * block_size
+        return leader.num_computed_tokens < shareable
+
+    def admit(self, seq: Sequence, hit: PrefixHit, num_tokens: int, batch: Batch) -> None:
+        """Start `seq` from its cached prefix: THE admission step of every policy.
+
+        Takes a reference on each block of `hit` (from `prefix_hit`, looked up since the
+        block manager last changed), sets `num_computed_tokens` to the end of the hit and
+        allocates blocks for the `num_tokens` tokens after it. Moves `seq` to `running` when
+        it is still waiting. The caller has checked that the blocks fit.
+        """
+        self.block_manager.allocate(seq, hit.num_tokens + num_tokens, hit)
+        batch.num_cached_tokens += hit.num_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hit.num_tokens
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def admit_for_step(self, seq: Sequence, budget: int, batch: Batch) -> int:
+        """Iteration-level admission (orca, lpm): start `seq` from its longest cached prefix
+        and schedule the rest of its tokens (a chunk of them under the token budget when
+        chunked prefill is on, or when the batch is still empty). Returns the tokens scheduled,
+        0 when `seq` does not fit this step (then nothing changed).
+
+        A preempted sequence comes back this way too: its full blocks stayed cached, so it
+        recomputes only what was evicted meanwhile.
+        """
+        hit = self.prefix_hit(seq)
+        num_tokens = seq.num_tokens - hit.num_tokens
+        if num_tokens > budget:
+            if not (self.config.enable_chunked_prefill or batch.is_empty):
+                return 0
+            num_tokens = budget
+        if not self.block_manager.can_allocate(seq, hit.num_tokens + num_tokens, hit):
+            return 0
+        self.admit(seq, hit, num_tokens, batch)
+        batch.add(seq, num_tokens)
+        return num_tokens
+
     # -- the iteration -----------------------------------------------------------------------
 
     def schedule(self) -> Batch:
@@ -155,6 +237,7 @@ class Scheduler(abc.ABC):
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(seq)
             sampled = output.sampled.get(seq.seq_id)
             if sampled is None:
                 continue
@@ -179,7 +262,7 @@ class Scheduler(abc.ABC):
             return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
-        if seq.num_tokens >= self.config.max_model_len:
+        if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -195,46 +278,14 @@ class Scheduler(abc.ABC):
     # -- introspection -----------------------------------------------------------------------
 
     @property
+    def max_model_len(self) -> int:
+        """The context window (unbounded when the config leaves it to the backend)."""
+        return self.config.max_model_len or sys.maxsize
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def next_wakeup(self) -> float | None:
         """Monotonic time at which an idle scheduler wants to be asked again (static's wait)."""
         return None
-
-
-SchedulerFactory = Callable[[SchedulerConfig, BlockManager], Scheduler]
-_REGISTRY: dict[str, SchedulerFactory] = {}
-
-
-def register_scheduler(name: str) -> Callable[[type[Scheduler]], type[Scheduler]]:
-    """Class decorator adding a policy to the registry under `name`."""
-
-    def decorate(cls: type[Scheduler]) -> type[Scheduler]:
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
-
-
-def _load_builtin_policies() -> None:
-    import schedulers.orca
-    import schedulers.static  # noqa: F401 - importing registers them
-
-
-def available_schedulers() -> list[str]:
-    _load_builtin_policies()
-    return sorted(_REGISTRY)
-
-
-def create_scheduler(name: str, config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
-    """Build the policy registered as `name`."""
-    _load_builtin_policies()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown scheduler {name!r}; available: {', '.join(available_schedulers())}"
-        ) from None
-    return factory(config, block_manager)

@@ -26,6 +26,8 @@ class Batch:
     num_prefill_tokens: int = 0
     #: tokens of sequences computing just their last sampled token
     num_decode_tokens: int = 0
+    #: tokens of the sequences admitted this step that the prefix cache served (not computed)
+    num_cached_tokens: int = 0
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         """Schedule `num_tokens` of `seq` (classified now, before the step moves it on)."""

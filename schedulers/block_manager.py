@@ -1,10 +1,24 @@
-"""Paged KV block accounting: hands out fixed-size blocks, never over-commits."""
+"""Paged KV block accounting: reference-counted blocks and an optional prefix cache.
+
+Blocks are handed out from a free list and never over-committed. With prefix caching on, a
+block whose slots are all computed is registered under a hash of its token ids chained to
+its parent block's hash; a later sequence whose tokens start the same way takes a reference
+on it instead of computing it again. A registered block whose last holder frees it stays
+cached (evictable) until an allocation needs the space, least recently used first.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import collections
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from schedulers.sequence import Sequence
+
+#: the parent hash of a sequence's first block
+ROOT_HASH = 0
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -12,46 +26,181 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockManager:
-    """Free-list allocator over `num_blocks` KV blocks of `block_size` slots.
+def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block's token ids chained to its parent's (equal prefixes, equal hash).
 
-    NOTE: a sequence's block table covers at least every token it has scheduled; a block
-    id is in exactly one block table or in the free list, never both.
+    A lookup key only: every hit is verified on the block's token ids and parent block, so
+    a collision costs a miss, never wrong KV.
+    """
+    return hash((parent_hash, *token_ids))
+
+
+class PrefixHit(NamedTuple):
+    """The longest cached prefix of a sequence: its block ids and the tokens they hold.
+
+    Valid until the block manager next changes (allocate, append, free, cache_full_blocks).
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+NO_HIT = PrefixHit((), 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedBlock:
+    """What a registered block holds: `token_ids` after the prefix ending in `parent`."""
+
+    block_hash: int
+    token_ids: tuple[int, ...]
+    parent: int | None  # the block id before it in the prefix; None for a first block
+
+
+class BlockManager:
+    """Allocator over `num_blocks` KV blocks of `block_size` slots, with ownership.
+
+    A block is truly free, cached (registered, no holder, evictable) or in use (one reference
+    per block table holding it). `num_free_blocks` counts what an allocation can take: truly
+    free plus cached; truly free blocks go first, then the least recently used cached one.
+
+    NOTE: only registered (full, computed, hashed) blocks are ever in two tables, and no
+    slot of a registered block is ever written again: a sequence writes only its blocks at
+    and after `num_computed_tokens // block_size`, which are its own.
+    NOTE: with `enable_prefix_caching=False` nothing is registered and block ids are handed
+    out and taken back in exactly the order of a plain FIFO free list.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = False
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))  # no KV worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, least recent first
+        self._ref_counts = [0] * num_blocks
+        self._cached: dict[int, _CachedBlock] = {}  # registered block id -> what it holds
+        self._by_hash: dict[int, int] = {}  # block hash -> registered block id
+        self._num_registered: dict[int, int] = {}  # seq_id -> leading table blocks handled
+        #: tokens looked up at admission, and of those found in the cache (cumulative)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- counts ------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: truly free plus cached (evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks no sequence holds that still keep a cached prefix (part of the free)."""
+        return len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
+        """Fraction of blocks in use, 0..1 (cached blocks count as free)."""
         return self.num_used_blocks / self.num_blocks
 
-    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks `seq` lacks for a table covering its first `num_tokens` slots."""
-        return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+    # -- the prefix cache ----------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_new_blocks(seq, num_tokens) <= len(self._free)
+    def computed_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest run of cached full blocks starting `seq`'s tokens; changes no block.
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow `seq`'s block table to cover its first `num_tokens` slots."""
-        needed = self.num_new_blocks(seq, num_tokens)
-        if needed > len(self._free):
-            raise RuntimeError(f"out of KV blocks: need {needed}, have {len(self._free)}")
-        seq.block_table.extend(self._free.popleft() for _ in range(needed))
+        At least one token is always left to compute (so there are logits to sample from):
+        when every full block of the tokens is cached and they end on a block boundary, the
+        last block is not used. `seq` must hold no blocks yet; fills `seq.block_hashes`.
+        """
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        if seq.block_table:
+            raise ValueError(f"seq {seq.seq_id} already holds blocks")
+        bs = self.block_size
+        max_blocks = max(0, (seq.num_tokens - 1) // bs)
+        hashes = self._block_hashes(seq, max_blocks)
+        block_ids: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            block_id = self._lookup(hashes[i], self._tokens_of(seq, i), parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            parent = block_id
+        return PrefixHit(tuple(block_ids), len(block_ids) * bs)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks `seq` has newly filled; call after `num_computed_tokens` grows.
+
+        A block whose prefix another block already caches is swapped for that one (its own
+        copy is freed), so sequences with equal tokens end up sharing their full blocks.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = seq.block_table
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(start, num_full):
+            parent = table[i - 1] if i else None
+            if parent is not None and parent not in self._cached:
+                break  # a collision left the parent private: nothing after it can be found
+            block_hash, token_ids = hashes[i], self._tokens_of(seq, i)
+            existing = self._by_hash.get(block_hash)
+            if existing is None:
+                self._cached[table[i]] = _CachedBlock(block_hash, token_ids, parent)
+                self._by_hash[block_hash] = table[i]
+            elif existing != table[i] and self._lookup(block_hash, token_ids, parent) is not None:
+                self._take_ref(existing)
+                self._release(table[i])
+                table[i] = existing
+            # else another prefix holds this hash: the block stays private, uncached
+        self._num_registered[seq.seq_id] = num_full
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def num_new_blocks(
+        self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None = None
+    ) -> int:
+        """Free blocks an allocation covering `seq`'s first `num_tokens` slots would take.
+
+        With `prefix` (a hit for a sequence holding no blocks), its blocks are not counted,
+        except cached ones no one holds: taking them takes them out of the free count too.
+        """
+        if prefix is None:
+            return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+        self._check_prefix(seq, num_tokens, prefix)
+        revived = sum(1 for b in prefix.block_ids if self._ref_counts[b] == 0)
+        return blocks_for(num_tokens, self.block_size) - len(prefix.block_ids) + revived
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        return self.num_new_blocks(seq, num_tokens, prefix) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None = None) -> None:
+        """Grow `seq`'s block table to cover its first `num_tokens` slots.
+
+        With `prefix` (from `computed_prefix`, for a sequence holding no blocks), the table
+        starts with the hit's blocks, one reference taken on each, and `num_computed_tokens`
+        starts at the end of the hit; the lookup is counted in the prefix-cache counters.
+        """
+        needed = self.num_new_blocks(seq, num_tokens, prefix)
+        if needed > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {needed}, have {self.num_free_blocks}")
+        if prefix is not None:
+            self._start_from(seq, prefix)
+        table = seq.block_table
+        while len(table) < blocks_for(num_tokens, self.block_size):
+            table.append(self._take_free_block())
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether one more slot (the next decode token) fits."""
@@ -61,6 +210,156 @@ class BlockManager:
         self.allocate(seq, seq.num_computed_tokens + 1)
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of `seq` to the free list."""
-        self._free.extend(seq.block_table)
+        """Drop `seq`'s reference on each of its blocks; registered ones stay cached.
+
+        A sequence's blocks are freed last first, so the end of a cached prefix is evicted
+        before its beginning (a later block is useless without the blocks before it).
+        """
+        table = seq.block_table
+        for block_id in reversed(table) if self.enable_prefix_caching else table:
+            self._release(block_id)
         seq.block_table = []
+        self._num_registered.pop(seq.seq_id, None)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _tokens_of(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """`seq.block_hashes`, extended to cover its first `num_blocks` full blocks."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block_tokens(parent, self._tokens_of(seq, len(hashes))))
+        return hashes
+
+    def _lookup(
+        self, block_hash: int, token_ids: tuple[int, ...], parent: int | None
+    ) -> int | None:
+        """The registered block holding `token_ids` right after block `parent`, if any."""
+        block_id = self._by_hash.get(block_hash)
+        if block_id is None:
+            return None
+        cached = self._cached[block_id]
+        if cached.parent != parent or cached.token_ids != token_ids:
+            return None
+        return block_id
+
+    def _check_prefix(self, seq: Sequence, num_tokens: int, prefix: PrefixHit) -> None:
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"seq {seq.seq_id} must start from a prefix holding no blocks")
+        if num_tokens < prefix.num_tokens:
+            raise ValueError(f"{num_tokens} slots do not cover the {prefix.num_tokens}-token hit")
+        if prefix.num_tokens != len(prefix.block_ids) * self.block_size:
+            raise ValueError("a prefix hit is made of whole blocks")
+        parent: int | None = None
+        for i, block_id in enumerate(prefix.block_ids):
+            block_hash = self._block_hashes(seq, i + 1)[i]
+            if self._lookup(block_hash, self._tokens_of(seq, i), parent) != block_id:
+                raise RuntimeError(f"stale prefix hit for seq {seq.seq_id}: look it up again")
+            parent = block_id
+
+    def _start_from(self, seq: Sequence, prefix: PrefixHit) -> None:
+        for block_id in prefix.block_ids:
+            self._take_ref(block_id)
+        seq.block_table = list(prefix.block_ids)
+        seq.num_computed_tokens = prefix.num_tokens
+        self._num_registered[seq.seq_id] = len(prefix.block_ids)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += prefix.num_tokens
+
+    def _take_ref(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref_counts[block_id] += 1
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            if block_id in self._cached:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    def _take_free_block(self) -> int:
+        """A truly free block, else the least recently used cached one (evicted)."""
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            # NOTE: it has no cached child: a child's holders hold its parent, and a parent
+            # is freed after its children, so it is always the more recently used
+            del self._by_hash[self._cached.pop(block_id).block_hash]
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check_invariants(self, holders: Iterable[Sequence] | None = None) -> None:
+        """Raise AssertionError when the accounting is inconsistent.
+
+        `holders`: every sequence that holds blocks; their tables are then checked against
+        the reference counts, the sharing rule and the cached blocks' contents.
+        """
+        free, evictable = list(self._free), list(self._evictable)
+        refs = self._ref_counts
+        _require(min(refs) >= 0, "a reference count is below zero")
+        in_use = [b for b in range(self.num_blocks) if refs[b] > 0]
+        _require(
+            len(free) + len(evictable) + len(in_use) == self.num_blocks,
+            "free + cached + in use != total",
+        )
+        _require(len(set(free) | set(evictable)) == len(free) + len(evictable), "double free")
+        _require(all(refs[b] == 0 and b not in self._cached for b in free), "bad free block")
+        _require(all(refs[b] == 0 and b in self._cached for b in evictable), "bad cached block")
+        _require(self.enable_prefix_caching or not self._cached, "cached with caching off")
+        self._check_cache(evictable)
+        if holders is not None:
+            self._check_holders(list(holders))
+
+    def _check_cache(self, evictable: list[int]) -> None:
+        _require(len(self._by_hash) == len(self._cached), "hash index out of step")
+        _require(
+            all(self._cached[b].block_hash == h for h, b in self._by_hash.items()),
+            "a hash names the wrong block",
+        )
+        lru_rank = {b: rank for rank, b in enumerate(evictable)}
+        for block_id, cached in self._cached.items():
+            _require(len(cached.token_ids) == self.block_size, "a partial block is cached")
+            parent = cached.parent
+            if parent is None:
+                continue
+            _require(parent in self._cached, f"cached block {block_id} lost its parent")
+            _require(self._ref_counts[parent] >= self._ref_counts[block_id], "orphan holder")
+            if block_id in lru_rank and parent in lru_rank:
+                _require(lru_rank[parent] > lru_rank[block_id], "a parent would evict first")
+
+    def _check_holders(self, holders: list[Sequence]) -> None:
+        counts = collections.Counter(b for seq in holders for b in seq.block_table)
+        _require(
+            all(counts[b] == self._ref_counts[b] for b in range(self.num_blocks)),
+            "reference counts differ from the block tables",
+        )
+        for seq in holders:
+            table = seq.block_table
+            _require(len(set(table)) == len(table), f"seq {seq.seq_id} holds a block twice")
+            num_full = seq.num_computed_tokens // self.block_size
+            for i, block_id in enumerate(table):
+                cached = self._cached.get(block_id)
+                if i >= num_full:  # the slots this sequence may still write
+                    _require(cached is None and counts[block_id] == 1, "a writable block shared")
+                elif cached is not None:
+                    _require(
+                        cached.token_ids == self._tokens_of(seq, i)
+                        and cached.parent == (table[i - 1] if i else None),
+                        f"seq {seq.seq_id} holds a cached block of another prefix",
+                    )
+                else:
+                    _require(counts[block_id] == 1, "an uncached block shared")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

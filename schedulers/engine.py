@@ -1,30 +1,29 @@
 """The engine loop: schedule -> backend.execute -> update, on its own thread.
 
-The gateway talks to it from asyncio through `generate` (an async stream of outputs) and
-`abort`; tests and the CLI use `submit` with a plain callback. Commands cross threads
-through a lock-protected deque; the loop sleeps on an Event when it has nothing to do.
+It works in tokens only: `submit` takes a callback that receives token-level outputs
+(`RequestOutput` with empty `text`) on the engine thread. Callers read text through the one
+async client (schedulers/client.py), which detokenizes and checks stop strings on its own
+loop (schedulers/output_processor.py). Commands cross threads through a lock-protected
+deque; the loop sleeps on an Event when it has nothing to do.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from backends.base import Backend
-from backends.detokenizer import IncrementalDetokenizer
-from backends.own_thread import run_on_device_thread
-from schedulers.base import AdmissionError, SchedulerConfig, create_scheduler
+from schedulers.backend import Backend, BackendDeadError
+from schedulers.base import AdmissionError, SchedulerConfig
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
-from schedulers.mailbox import mailbox_for
 from schedulers.outputs import IterationRecord, RequestOutput
+from schedulers.registry import create_scheduler
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import FinishReason, Sequence
 
@@ -59,7 +58,6 @@ class _Request:
     request_id: str
     seqs: list[Sequence]
     sink: OutputSink
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
 
 
 class Engine:
@@ -71,17 +69,27 @@ class Engine:
         scheduler: str = "orca",
         config: SchedulerConfig | None = None,
         *,
+        policy_options: Mapping[str, Any] | None = None,
         name: str = "default",
         trace_capacity: int = 4096,
     ) -> None:
         config = config or SchedulerConfig()
-        max_model_len = min(config.max_model_len, backend.max_model_len)
-        self.config = dataclasses.replace(config, max_model_len=max_model_len)
+        # NOTE: the one place the served context window is decided: what was asked, capped
+        # at what the backend can serve (None: the backend's).
+        asked = config.max_model_len or backend.max_model_len
+        self.max_model_len = min(asked, backend.max_model_len)
+        self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
         spec = backend.kv_cache_spec
         self.backend = backend
         self.name = name
-        self.block_manager = BlockManager(spec.num_blocks, spec.block_size)
-        self.scheduler = create_scheduler(scheduler, self.config, self.block_manager)
+        self.block_manager = BlockManager(
+            spec.num_blocks,
+            spec.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+        self.scheduler = create_scheduler(
+            scheduler, self.config, self.block_manager, policy_options
+        )
         self.trace: deque[IterationRecord] = deque(maxlen=trace_capacity)
         self.iteration_listeners: list[Callable[[IterationRecord], None]] = []
         self.finish_listeners: list[Callable[[Sequence], None]] = []
@@ -101,6 +109,7 @@ class Engine:
 
     def start(self) -> None:
         if self._thread is None:
+            self.backend.watch(lambda reason: self._command("dead", reason))  # backend died idle
             self._thread = threading.Thread(
                 target=self._run, name=f"carousel-engine-{self.name}", daemon=True
             )
@@ -132,9 +141,12 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         sink: OutputSink,
+        *,
+        priority: int = 0,
     ) -> None:
         """Queue a request; `sink` is called on the engine thread with every output.
 
+        `priority` (lower runs first) is read by policies that order by it (`priority`).
         Raises AdmissionError at once when the request can never fit and EngineDeadError
         when the loop is not running.
         """
@@ -142,35 +154,17 @@ class Engine:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if not prompt_token_ids:
             raise AdmissionError("the prompt is empty", code="invalid_prompt")
-        seqs = self._make_seqs(request_id, prompt_token_ids, params)
+        seqs = self._make_seqs(request_id, prompt_token_ids, params, priority)
         self.scheduler.check_admissible(seqs[0])
         self._command("add", _Request(request_id, seqs, sink))
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit and stream outputs; closing the stream early aborts the request."""
-        mailbox = mailbox_for(asyncio.get_running_loop())
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(output: RequestOutput) -> None:
-            mailbox.post(queue, output)
-
-        self.submit(request_id, prompt_token_ids, params, sink)
-        remaining = params.n
-        try:
-            while remaining:
-                output = await queue.get()
-                if output.finished:
-                    remaining -= 1
-                yield output
-        finally:
-            if remaining:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at the start of the next iteration."""
         self._command("abort", request_id)
+
+    def stop_choice(self, request_id: str, index: int) -> None:
+        """End choice `index` with `stop` (a stop string matched on the client's side)."""
+        self._command("stop", (request_id, index))
 
     @property
     def num_running(self) -> int:
@@ -195,9 +189,9 @@ class Engine:
         self._wake.set()
 
     def _make_seqs(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int
     ) -> list[Sequence]:
-        seqs = []
+        seqs: list[Sequence] = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq_params = dataclasses.replace(params, seed=seed, n=1)
@@ -209,6 +203,8 @@ class Engine:
                     sampling_params=seq_params,
                     index=index,
                     eos_token_ids=self.backend.eos_token_ids,
+                    priority=priority,
+                    leader=seqs[0] if seqs else None,
                 )
             )
         return seqs
@@ -230,7 +226,8 @@ class Engine:
                     continue
                 self._step(batch)
         except BaseException as exc:  # the loop itself failed: make it visible, fail everyone
-            self.dead_reason = f"engine loop died: {exc!r}"
+            dead = isinstance(exc, BackendDeadError)
+            self.dead_reason = str(exc) if dead else f"engine loop died: {exc!r}"
             log_exception("engine_loop_died", engine=self.name)
             self._stopping = True
             self._fail_all(self.dead_reason)
@@ -244,6 +241,10 @@ class Engine:
                 self._add(payload)
                 with self._lock:
                     self._num_queued_seqs -= len(payload.seqs)
+            elif kind == "stop":
+                self._stop_choice(*payload)
+            elif kind == "dead":
+                raise BackendDeadError(payload)
             else:
                 self._abort(payload)
 
@@ -266,11 +267,6 @@ class Engine:
                 self.scheduler.finish_running(seq, FinishReason.ERROR, str(exc))
             self._finish_request_with_error(request, str(exc))
             return
-        tokenizer = self.backend.tokenizer
-        for seq in request.seqs:
-            request.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                tokenizer, seq.prompt_token_ids, seq.sampling_params.stop
-            )
         self._requests[request.request_id] = request
 
     def _abort(self, request_id: str) -> None:
@@ -282,11 +278,22 @@ class Engine:
                 self.scheduler.finish_running(seq, FinishReason.ABORT)
                 self._emit(request, seq, [], final=True)
 
+    def _stop_choice(self, request_id: str, index: int) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.index == index and not seq.is_finished:
+                self.scheduler.finish_running(seq, FinishReason.STOP)
+                self._emit(request, seq, [], final=True)
+
     def _step(self, batch: Batch) -> None:
         start_wall, start = time.time(), time.monotonic()
         try:
-            output = run_on_device_thread(self.backend.execute, batch)
+            output = self.backend.execute(batch)
             self.scheduler.update(batch, output)
+        except BackendDeadError:  # fatal: the loop ends and fails every request
+            raise
         except Exception as exc:  # fail only this step's requests; the loop goes on
             log_exception("engine_step_failed", engine=self.name, iteration=batch.iteration)
             message = f"the engine failed while running this request: {exc!r}"
@@ -311,28 +318,18 @@ class Engine:
         return [(seq, sampled[seq.seq_id]) for seq in batch.seqs if seq.seq_id in sampled]
 
     def _emit(self, request: _Request, seq: Sequence, new: list[Any], final: bool) -> None:
-        detok = request.detokenizers.get(seq.seq_id)
-        token_ids = [t.token_id for t in new]
-        if detok is not None and token_ids and seq.finish_reason is not FinishReason.ABORT:
-            detok.add_tokens(token_ids)
-            if detok.stopped and not seq.is_finished:
-                self.scheduler.finish_running(seq, FinishReason.STOP)
-                final = True
-            if final:
-                detok.finish()
-        text = detok.take(final=final) if detok is not None else ""
         want_logprobs = seq.sampling_params.logprobs is not None
         output = RequestOutput(
             request_id=request.request_id,
             index=seq.index,
-            text=text,
-            token_ids=token_ids,
+            token_ids=[t.token_id for t in new],
             logprobs=list(new) if want_logprobs else [],
             finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
             error=seq.error if final else None,
             error_code=seq.error_code if final else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
@@ -388,6 +385,7 @@ class Engine:
             request_ids=tuple(s.request_id for s in batch.seqs),
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=batch.num_decode_tokens,
+            num_cached_tokens=batch.num_cached_tokens,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(batch.preempted),

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import queue
-import threading
+import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
-from backends.base import Backend
+from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
+from schedulers.client import open_stream
 from schedulers.engine import Engine
-from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import TokenLogprob
 
@@ -25,6 +27,8 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    #: prompt tokens the prefix cache served when this choice was admitted
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -42,8 +46,9 @@ class LLM:
         backend: Backend,
         scheduler: str = "orca",
         config: SchedulerConfig | None = None,
+        policy_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.engine = Engine(backend, scheduler, config)
+        self.engine = Engine(backend, scheduler, config, policy_options=policy_options)
         self.engine.start()
 
     def __enter__(self) -> LLM:
@@ -67,54 +72,49 @@ class LLM:
         delays_s: list[float] | None = None,
         timeout_s: float = 600.0,
     ) -> list[Generation]:
-        """Run every prompt; prompt i is submitted `delays_s[i]` seconds after the first."""
+        """Run every prompt; prompt i is submitted `delays_s[i]` seconds after the first.
+
+        NOTE: runs its own asyncio loop, so it cannot be called from inside a running one
+        (there, use schedulers/client.py directly).
+        """
         params_list = (
             params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         )
         token_lists = [self._tokenize(p) for p in prompts]
-        outputs: queue.Queue[RequestOutput] = queue.Queue()
-        ids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in prompts]
-        submitter = threading.Thread(
-            target=self._submit_all, args=(ids, token_lists, params_list, delays_s, outputs)
-        )
-        submitter.start()
-        results = {
-            rid: Generation(rid, toks, [Choice(index=i) for i in range(p.n)])
-            for rid, toks, p in zip(ids, token_lists, params_list, strict=True)
-        }
-        remaining = sum(p.n for p in params_list)
-        deadline = time.monotonic() + timeout_s
-        while remaining:
-            out = outputs.get(timeout=max(0.0, deadline - time.monotonic()))
-            choice = results[out.request_id].choices[out.index]
-            choice.text += out.text
-            choice.token_ids += out.token_ids
-            choice.logprobs += out.logprobs
-            if out.finished:
-                choice.finish_reason, choice.error = out.finish_reason, out.error
-                remaining -= 1
-        submitter.join()
-        return [results[rid] for rid in ids]
+        delays = delays_s or [0.0] * len(prompts)
+        runs = zip(token_lists, params_list, delays, strict=True)
+        return asyncio.run(asyncio.wait_for(self._generate_all(list(runs)), timeout_s))
+
+    async def _generate_all(
+        self, runs: list[tuple[list[int], SamplingParams, float]]
+    ) -> list[Generation]:
+        start = time.monotonic()
+        return list(await asyncio.gather(*(self._generate_one(*run, start) for run in runs)))
+
+    async def _generate_one(
+        self, token_ids: list[int], params: SamplingParams, delay_s: float, start: float
+    ) -> Generation:
+        await asyncio.sleep(max(0.0, start + delay_s - time.monotonic()))
+        request_id = f"gen-{uuid.uuid4().hex[:12]}"
+        result = Generation(request_id, token_ids, [Choice(index=i) for i in range(params.n)])
+        try:
+            stream = open_stream(self.engine, request_id, [token_ids], params)
+        except ValueError as exc:  # AdmissionError, or parameters the engine refused
+            for choice in result.choices:
+                choice.finish_reason, choice.error = "error", str(exc)
+            return result
+        with contextlib.closing(stream):
+            async for index, out in stream:
+                choice = result.choices[index]
+                choice.text += out.text
+                choice.token_ids += out.token_ids
+                choice.logprobs += out.logprobs
+                if out.finished:
+                    choice.finish_reason, choice.error = out.finish_reason, out.error
+                    choice.num_cached_tokens = out.num_cached_tokens
+        return result
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.engine.backend.tokenizer.encode(prompt))
         return list(prompt)
-
-    def _submit_all(
-        self,
-        ids: list[str],
-        token_lists: list[list[int]],
-        params_list: list[SamplingParams],
-        delays_s: list[float] | None,
-        outputs: queue.Queue[RequestOutput],
-    ) -> None:
-        start = time.monotonic()
-        for i, (rid, toks, p) in enumerate(zip(ids, token_lists, params_list, strict=True)):
-            if delays_s:
-                time.sleep(max(0.0, start + delays_s[i] - time.monotonic()))
-            try:
-                self.engine.submit(rid, toks, p, outputs.put)
-            except ValueError as exc:
-                for index in range(p.n):
-                    outputs.put(RequestOutput(rid, index, finish_reason="error", error=str(exc)))

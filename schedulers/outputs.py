@@ -10,7 +10,10 @@ from schedulers.sequence import TokenLogprob
 
 @dataclass
 class RequestOutput:
-    """New text and tokens of one choice (`index`) of one request since its last output.
+    """New tokens (and text) of one choice (`index`) of one request since its last output.
+
+    The engine fills the token fields and leaves `text` empty; the client's output
+    processor (schedulers/output_processor.py) fills `text` on the consumer's side.
 
     The last output of a choice has `finish_reason` set: `stop`, `length`, `abort` or
     `error` (then `error` holds the message and `error_code`, when set, says why: e.g.
@@ -27,6 +30,8 @@ class RequestOutput:
     error_code: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    #: prompt tokens the prefix cache served at this choice's admission (not computed)
+    num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -48,6 +53,8 @@ class IterationRecord:
     request_ids: tuple[str, ...]
     num_prefill_tokens: int
     num_decode_tokens: int
+    #: tokens of the sequences admitted this iteration served from the prefix cache
+    num_cached_tokens: int
     num_running: int
     num_waiting: int
     num_preempted: int

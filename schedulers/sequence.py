@@ -50,6 +50,8 @@ class Sequence:
     sampling_params: SamplingParams
     index: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    #: lower runs first, for the policies that read it (`priority`); others ignore it
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -58,6 +60,14 @@ class Sequence:
     error: str | None = None
     error_code: str | None = None
     block_table: list[int] = field(default_factory=list)
+    #: chained hashes of the full token blocks (prompt + output), filled lazily by the block
+    #: manager when prefix caching is on; tokens are only ever appended, so they stay valid
+    block_hashes: list[int] = field(default_factory=list)
+    #: prompt tokens served from the prefix cache when this sequence was first admitted
+    num_cached_tokens: int = 0
+    #: choice 0 of the same request when this is a later choice of an `n > 1` request: with
+    #: prefix caching on, this choice starts only once its leader has cached the prompt
+    leader: Sequence | None = field(default=None, repr=False)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

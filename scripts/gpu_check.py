@@ -12,6 +12,8 @@ no pytest, no network. Prints one short table. See scripts/gpu-check.sh.
 2. Efficiency: decode tokens/s at B = 1, 8, 32, 64 for HF's forward with its KV cache and
    for our backend's bare execute loop, and our step time against the floor of weight bytes
    over memory bandwidth.
+3. Tensor parallelism (scripts/gpu_check_tp.py): the tiny models' oracle at TP = 2 over NCCL,
+   one GPU per rank; reported as skipped when fewer than two GPUs are visible.
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ def main() -> None:
         step_ms = b / ours * 1e3
         verdict = f"ours/hf {ours / hf:.2f}; step {step_ms:.2f} ms vs floor {floor_ms:.3f} ms"
         rows.append((f"decode B={b}", f"hf {hf:.0f} tok/s, ours {ours:.0f} tok/s", verdict))
+    if device.type == "cuda":  # tensor parallelism over NCCL, when two GPUs are lent
+        from gpu_check_tp import tp_rows
+
+        rows += tp_rows("cuda")
     width = max(len(r[0]) for r in rows)
     for check, value, verdict in rows:
         print(f"{check:<{width}}  {value:<32}  {verdict}")

@@ -21,9 +21,10 @@ import argparse
 import random
 
 from backends.sim import SimBackend
-from schedulers.base import SchedulerConfig, create_scheduler
+from schedulers.base import SchedulerConfig
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager
+from schedulers.registry import create_scheduler
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
 

@@ -197,3 +197,54 @@ async def test_timeout_bounds_the_whole_stream() -> None:
     cfg = ClientConfig(api_base="http://test/v1", model="m", timeout_s=0.05)
     result = await send(slow_handler(20, 0.02), cfg)  # 0.4 s of chunks, each 20 ms apart
     assert not result.success and result.error == "timed out after 0.05 s"
+
+
+async def test_tool_call_fragments_count_as_generated_text() -> None:
+    def call(args: str) -> dict:
+        fn = {"index": 0, "function": {"arguments": args}}
+        return {"choices": [{"index": 0, "delta": {"tool_calls": [fn]}}], "usage": None}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=sse(chat(role=True), call('{"q"'), call(": 1}"), USAGE))
+
+    result = await send(handler)
+    assert result.success and result.ttft is not None and result.num_chunks == 2
+
+
+def responses_event(kind: str, **data: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+async def test_responses_stream_reads_typed_events_and_fails_on_response_failed() -> None:
+    spec = RequestSpec(0, 3, body={"model": "m", "input": "hi"}, endpoint="responses")
+    usage = {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}
+    events = {
+        "ok": [
+            responses_event("response.created", response={}),
+            responses_event("response.output_text.delta", delta="a"),
+            responses_event("response.output_text.delta", delta="b"),
+            responses_event("response.completed", response={"usage": usage}),
+        ],
+        "failed": [
+            responses_event("response.output_text.delta", delta="a"),
+            responses_event("response.failed", response={"error": {"message": "oom"}}),
+        ],
+    }
+    for name, stream in events.items():
+        seen: list[httpx.Request] = []
+
+        def handler(
+            request: httpx.Request, stream: list[str] = stream, seen: list = seen
+        ) -> httpx.Response:
+            seen.append(request)
+            return httpx.Response(200, content="".join(stream).encode())
+
+        result = RequestResult(index=0, max_tokens=3)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await send_request(client, CFG, spec, None, result, time.perf_counter())
+        assert seen[0].url.path == "/v1/responses"
+        if name == "ok":
+            assert result.success and result.num_chunks == 2 and len(result.itl) == 1
+            assert (result.prompt_tokens, result.output_tokens) == (5, 2)
+        else:
+            assert not result.success and result.error == "in-stream error: oom"

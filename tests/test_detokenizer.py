@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.byte_tokenizer import ByteTokenizer
-from backends.detokenizer import IncrementalDetokenizer
+from schedulers.detokenizer import IncrementalDetokenizer
 from tests.tiny_models import tiny_tokenizer
 
 HF_BYTES = tiny_tokenizer()

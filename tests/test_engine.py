@@ -8,7 +8,8 @@ import time
 import pytest
 
 from backends.sim import SimBackend
-from schedulers.base import AdmissionError, SchedulerConfig
+from schedulers.base import AdmissionError
+from schedulers.client import generate
 from schedulers.engine import Engine, EngineDeadError
 from schedulers.llm import LLM
 from schedulers.outputs import RequestOutput
@@ -19,6 +20,13 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 def all_blocks_free(engine: Engine) -> bool:
     return engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+async def stream_all(
+    engine: Engine, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    """Every output of one request, read through the async client."""
+    return [output async for output in generate(engine, request_id, prompt, params)]
 
 
 def wait_until(predicate: object, timeout: float = 5.0) -> None:
@@ -69,11 +77,9 @@ def test_stop_string_never_leaks_streamed_or_not() -> None:
         stop = text[20:23]
         assert stop.strip() and text.find(stop) >= 20
         cut = text[: text.find(stop)]
-        deltas: list[RequestOutput] = []
-        llm.engine.submit(
-            "s", [9, 9], SamplingParams(max_tokens=64, temperature=0.0, stop=(stop,)), deltas.append
-        )
-        wait_until(lambda: deltas and deltas[-1].finished)
+        params = SamplingParams(max_tokens=64, temperature=0.0, stop=(stop,))
+        deltas = asyncio.run(stream_all(llm.engine, "s", [9, 9], params))
+        wait_until(lambda: all_blocks_free(llm.engine))
     assert "".join(d.text for d in deltas) == cut
     assert all(stop not in d.text for d in deltas)
     assert deltas[-1].finish_reason == "stop"
@@ -84,7 +90,7 @@ def test_async_stream_closed_early_aborts_and_frees_kv() -> None:
     engine.start()
 
     async def consume_three() -> None:
-        stream = engine.generate("a", [1] * 40, SamplingParams(max_tokens=500))
+        stream = generate(engine, "a", [1] * 40, SamplingParams(max_tokens=500))
         count = 0
         async for _ in stream:
             count += 1
@@ -159,7 +165,7 @@ def test_inadmissible_request_is_refused_synchronously() -> None:
 
 
 def test_idle_engine_does_not_spin() -> None:
-    engine = Engine(SimBackend(), "static", SchedulerConfig(batch_wait_ms=50))
+    engine = Engine(SimBackend(), "static", policy_options={"batch_wait_ms": 50})
     engine.start()
     try:
         start_cpu, start = time.process_time(), time.monotonic()

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.byte_tokenizer import ByteTokenizer
-from backends.detokenizer import IncrementalDetokenizer
 from gateway.protocol import MAX_STOP_SEQUENCES
+from schedulers.detokenizer import IncrementalDetokenizer
 
 ALPHABET = "ab é€\n"
 TEXT = st.text(alphabet=ALPHABET, min_size=0, max_size=40)

@@ -219,7 +219,7 @@ def test_unexpected_exception_is_500_without_internals(
     async def broken(*_: object) -> None:
         raise KeyError("internal-secret-path")
 
-    monkeypatch.setattr(srv.arm, "chat", broken)
+    monkeypatch.setattr(srv.arm, "serve", broken)
     response = httpx.post(f"{srv.v1}/chat/completions", json=CHAT)
     error = error_of(response, 500)
     assert error["type"] == "server_error"

@@ -47,12 +47,16 @@ def prompts(seed: int = 1) -> list[list[int]]:
 
 
 def run_engine(
-    backend: TorchBackend, scheduler: str, config: SchedulerConfig
+    backend: TorchBackend,
+    scheduler: str,
+    config: SchedulerConfig,
+    policy_options: dict[str, float] | None = None,
+    delays_s: list[float] = DELAYS_S,
 ) -> tuple[list[list[int]], LLM]:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-    llm = LLM(backend, scheduler, config)
+    llm = LLM(backend, scheduler, config, policy_options)
     try:
-        gens = llm.generate(prompts(), params, delays_s=DELAYS_S)
+        gens = llm.generate(prompts(), params, delays_s=delays_s)
     finally:
         llm.close()
     return [g.choices[0].token_ids for g in gens], llm
@@ -77,7 +81,10 @@ def attention(request: pytest.FixtureRequest) -> str:
 
 
 def make_backend(
-    model: PreTrainedModel, attention: str, max_num_seqs: int = 64, max_model_len: int = 128
+    model: PreTrainedModel,
+    attention: str = "auto",
+    max_num_seqs: int = 64,
+    max_model_len: int = 128,
 ) -> TorchBackend:
     return TorchBackend(
         model,
@@ -101,8 +108,8 @@ def test_batched_greedy_equals_hf_generate_alone(
     backend = make_backend(model, attention)
     # NOTE: static waits 20 ms to fill a batch, so the two requests submitted together at
     # t = 0 always share one, however late the engine thread wakes on a loaded machine.
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, batch_wait_ms=20)
-    outputs, llm = run_engine(backend, scheduler, config)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)
+    outputs, llm = run_engine(backend, scheduler, config, {"batch_wait_ms": 20})
     assert outputs == expected
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -121,7 +128,9 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(
     # KV for one 80-token context (20 blocks), far less than the prompts need together
     backend = make_backend(model, attention, max_num_seqs=1, max_model_len=80)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True)
-    outputs, llm = run_engine(backend, "orca", config)
+    # NOTE: all submitted at once, so they surely compete for the KV (staggered arrivals can
+    # finish early ones first on a fast, idle machine, and then nothing is preempted)
+    outputs, llm = run_engine(backend, "orca", config, delays_s=[0.0] * len(DELAYS_S))
     assert outputs == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.local_arm import scheduler_config, serving_options
+from gateway.engine_factory import scheduler_config, serving_options
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving_common import ServingOptions
 from gateway.settings import Settings

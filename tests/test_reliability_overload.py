@@ -15,9 +15,10 @@ import httpx
 from backends.sim import CostModel, SimBackend
 from gateway.local_arm import LocalArm
 from gateway.serving_common import ServingOptions
-from schedulers.base import SchedulerConfig, create_scheduler
+from schedulers.base import SchedulerConfig
 from schedulers.block_manager import BlockManager
 from schedulers.outputs import IterationRecord
+from schedulers.registry import create_scheduler
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence
 from tests.conftest import CHAT, LiveServer, LoopKiller, error_of, sse_payloads

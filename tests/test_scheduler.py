@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
-from schedulers.base import AdmissionError, Scheduler, SchedulerConfig, create_scheduler
+from schedulers.base import AdmissionError, Scheduler, SchedulerConfig
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager
+from schedulers.registry import create_scheduler
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, SequenceStatus, TokenLogprob
 
@@ -28,8 +30,11 @@ def make_seq(prompt_len: int, max_tokens: int = 8) -> Sequence:
 def make_scheduler(
     name: str, num_blocks: int = 64, block_size: int = 4, **knobs: int | float | bool
 ) -> Scheduler:
-    config = SchedulerConfig(**knobs)  # type: ignore[arg-type]
-    return create_scheduler(name, config, BlockManager(num_blocks, block_size))
+    """The policy `name` with shared `knobs` in its config and its own ones as options."""
+    shared = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    config = SchedulerConfig(**{k: v for k, v in knobs.items() if k in shared})  # type: ignore[arg-type]
+    options = {k: v for k, v in knobs.items() if k not in shared}
+    return create_scheduler(name, config, BlockManager(num_blocks, block_size), options)
 
 
 def run_step(scheduler: Scheduler) -> tuple[Batch, list[Sequence]]:
@@ -238,5 +243,5 @@ def test_abort_frees_blocks_of_running_and_waiting(name: str) -> None:
 
 
 def test_unknown_scheduler_name_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="available: orca, static"):
+    with pytest.raises(ValueError, match="available: lpm, orca, static"):
         make_scheduler("fifo")

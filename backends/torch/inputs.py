@@ -37,29 +37,48 @@ def prepare_inputs(batch: Batch, block_size: int, device: torch.device) -> Model
     tables = [
         seq.block_table[:w] + [0] * (width - w) for seq, w in zip(batch.seqs, widths, strict=True)
     ]
-    decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    query_starts = tuple(itertools.accumulate(q_lens, initial=0))
-    q_len_t = torch.tensor(q_lens)
-    cu_seqlens_q = torch.tensor(query_starts)  # (B + 1,)
+    cu_seqlens_q = torch.tensor(list(itertools.accumulate(q_lens, initial=0)))  # (B + 1,)
     block_tables = torch.tensor(tables)  # (B, width)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_len_t)  # (N,)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))  # (N,)
     offsets = torch.tensor(starts) - cu_seqlens_q[:-1]  # (B,) position minus flat row
     positions = torch.arange(len(token_ids)) + offsets[seq_of_token]  # (N,)
     slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
-    layout = BatchLayout(
-        cu_seqlens_q=cu_seqlens_q.to(device),
-        context_lens=torch.tensor(ctx_lens, device=device),
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        query_starts=query_starts[:-1],
-        seqlens_q=tuple(q_lens),
-        seqlens_k=tuple(ctx_lens),
-        decode_indices=torch.tensor(decodes, dtype=torch.long, device=device),
-        decode_max_blocks=max((widths[i] for i in decodes), default=0),
-        prefill_indices=tuple(i for i, n in enumerate(q_lens) if n > 1),
+    layout = build_layout(
+        cu_seqlens_q, torch.tensor(ctx_lens), slot_mapping, block_tables, block_size, device
     )
     return ModelInput(
         input_ids=torch.tensor(token_ids, device=device),
         positions=positions.to(device),
         layout=layout,
+    )
+
+
+def build_layout(
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> BatchLayout:
+    """The `BatchLayout` of one step from its flat host int64 arrays, on `device`.
+
+    The one place a layout is built: `prepare_inputs` and tensor parallelism's ranks, which
+    rebuild it from the broadcast arrays (parallel/step.py), both call it.
+    """
+    cu = cu_seqlens_q.tolist()
+    q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    ctx_lens = context_lens.tolist()
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    return BatchLayout(
+        cu_seqlens_q=cu_seqlens_q.to(device),
+        context_lens=context_lens.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device),
+        query_starts=tuple(cu[:-1]),
+        seqlens_q=tuple(q_lens),
+        seqlens_k=tuple(ctx_lens),
+        decode_indices=torch.tensor(decodes, dtype=torch.long, device=device),
+        decode_max_blocks=max((blocks_for(ctx_lens[i], block_size) for i in decodes), default=0),
+        prefill_indices=tuple(i for i, n in enumerate(q_lens) if n > 1),
     )

@@ -4,19 +4,21 @@ Construct it either from a model reference::
 
     TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
                       kv_cache_fraction=None, block_size=16, max_model_len=None,
-                      max_num_seqs=256, prepack_weights=True)
+                      max_num_seqs=256, prepack_weights=True, attention_backend="auto")
 
 or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
 
     TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
                  kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256,
-                 prepack_weights=True)
+                 prepack_weights=True, attention_backend="auto")
 
 `device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
 bf16 on cuda and fp32 on cpu. The model is moved and cast in place. KV sizing: see kv_cache.py
 (`max_num_seqs` only caps the KV cache: it never holds more than that many full contexts).
 `prepack_weights`: on CPU, matmuls with few rows go through oneDNN-prepacked weights (an
 extra copy of the weights; see packed.py); False keeps one copy and plain `F.linear`.
+`attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, ...); `auto`
+picks the fastest available on the device.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from backends.base import Backend, KVCacheSpec
-from backends.own_thread import call_on_own_thread
 from backends.torch.attention import AUTO
+from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.inputs import ModelInput, prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import DEFAULT_MODEL, check_architecture, load_model
 from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.sampler import Sampler
+from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -105,13 +107,10 @@ class TorchBackend(Backend):
             dtype=self.dtype,
         )
         budget = kv_budget_bytes(self.device, kv_cache_gb, kv_cache_fraction)
-        num_blocks = plan_num_blocks(kv_layout, budget, self.max_model_len, max_num_seqs)
+        num_blocks = self._num_kv_blocks(kv_layout, budget, max_num_seqs)  # TP: the ranks agree
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
         self.model = PagedCausalLM(
-            model,
-            self.kv_cache,
-            prepack=prepack_weights,
-            attention_backend=attention_backend,
+            model, self.kv_cache, prepack=prepack_weights, attention_backend=attention_backend
         )
         self.model.attention.warm_up()
         self.sampler = Sampler(config.vocab_size, self.device)
@@ -134,7 +133,7 @@ class TorchBackend(Backend):
         """Load `model` (see loader.py for what a reference may be) onto `device`.
 
         The loading runs on a thread of its own that exits afterwards, so it leaves no
-        OpenMP pool behind to compete with the engine thread's (backends/own_thread.py).
+        OpenMP pool behind to compete with the engine thread's (backends/torch/device_thread.py).
         """
         target = resolve_device(device)
 
@@ -156,11 +155,19 @@ class TorchBackend(Backend):
 
         return call_on_own_thread(build, "carousel-load")
 
+    def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
+        """KV blocks to allocate (tensor parallelism overrides it with the ranks' agreed count)."""
+        return plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
+
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size)
 
     def execute(self, batch: Batch) -> ExecuteOutput:
+        """Run `batch` on the process's one device thread (backends/torch/device_thread.py)."""
+        return run_on_device_thread(self._execute, batch)
+
+    def _execute(self, batch: Batch) -> ExecuteOutput:
         rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
         logits = self.logits(batch, rows)
         seqs = [batch.seqs[i] for i in rows]
@@ -174,12 +181,9 @@ class TorchBackend(Backend):
     def logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
         """Run `batch` (writing its KV) and return float32 logits (B', V) at the last scheduled
         token of `batch.seqs[rows]` (every sequence when `rows` is None)."""
-        return self._forward(batch, rows).float()
-
-    def _forward(self, batch: Batch, rows: list[int] | None) -> torch.Tensor:
         inputs = self.prepare(batch)
         indices = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model(inputs.input_ids, inputs.positions, inputs.layout, indices)
+        return self.model(inputs.input_ids, inputs.positions, inputs.layout, indices).float()
 
     def prepare(self, batch: Batch) -> ModelInput:
         """Flatten `batch` into token ids, positions and attention layout on the device."""

@@ -1,4 +1,4 @@
-"""Torch set-up runs on a thread that exits (so its OpenMP pool does not outlive it)."""
+"""Torch set-up runs on a thread that exits, and every torch forward on one device thread."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from backends.own_thread import call_on_own_thread, run_on_device_thread
 from backends.sim import SimBackend
 from backends.torch import runner
-from gateway import local_arm
+from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
+from gateway import engine_factory
 from gateway.settings import Settings
+from schedulers.batch import Batch, ExecuteOutput
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
 from tests.tiny_models import tiny_model, tiny_tokenizer
@@ -48,14 +49,14 @@ def test_load_backend_loads_the_model_off_the_callers_thread(
     tiny_model("llama").save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     loaded_on: list[str] = []
-    original = local_arm.SharedWeights.get
+    original = engine_factory.SharedWeights.get
 
-    def spy(self: local_arm.SharedWeights) -> object:
+    def spy(self: engine_factory.SharedWeights) -> object:
         loaded_on.append(threading.current_thread().name)
         return original(self)
 
-    monkeypatch.setattr(local_arm.SharedWeights, "get", spy)
-    backend = local_arm.load_backend(Settings(model=str(tmp_path), kv_cache_gb=0.01))
+    monkeypatch.setattr(engine_factory.SharedWeights, "get", spy)
+    backend = engine_factory.load_backend(Settings(model=str(tmp_path), kv_cache_gb=0.01))
     assert loaded_on == ["carousel-load"]
     assert not _alive("carousel-load")
     assert backend.kv_cache_spec.num_blocks > 0
@@ -97,17 +98,35 @@ def test_torch_backend_load_loads_off_the_callers_thread(
     backend.close()
 
 
-def test_engine_steps_run_on_the_device_thread() -> None:
-    backend = SimBackend(num_blocks=64, block_size=4)
+def test_torch_steps_run_on_the_device_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = runner.TorchBackend(
+        tiny_model("llama"), tiny_tokenizer(), device="cpu", kv_cache_gb=0.01, max_model_len=64
+    )
     stepped_on: set[str] = set()
-    original = backend.execute
+    original = backend._execute
 
-    def spy(batch: object) -> object:
+    def spy(batch: Batch) -> ExecuteOutput:
         stepped_on.add(threading.current_thread().name)
-        return original(batch)  # type: ignore[arg-type]
+        return original(batch)
 
-    backend.execute = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(backend, "_execute", spy)
     with LLM(backend) as llm:
         [result] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(result.choices[0].token_ids) == 3
     assert len(stepped_on) == 1 and stepped_on.pop().startswith("carousel-device")
+
+
+def test_the_simulator_steps_on_the_engine_thread() -> None:
+    """Only torch work needs the one OpenMP pool; other backends run where they are called."""
+    backend = SimBackend(num_blocks=64, block_size=4)
+    stepped_on: set[str] = set()
+    original = backend.execute
+
+    def spy(batch: Batch) -> ExecuteOutput:
+        stepped_on.add(threading.current_thread().name)
+        return original(batch)
+
+    backend.execute = spy  # type: ignore[method-assign]
+    with LLM(backend) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(stepped_on) == 1 and stepped_on.pop().startswith("carousel-engine")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from schedulers.base import Scheduler, register_scheduler
+from schedulers.base import Scheduler
 from schedulers.batch import Batch
+from schedulers.registry import register_scheduler
 from schedulers.sequence import Sequence, SequenceStatus
 
 
@@ -15,7 +16,8 @@ class OrcaScheduler(Scheduler):
     chunked prefill), then admits waiting ones while seats, the token budget and KV blocks
     allow, so prefills and decodes share iterations. When KV runs out, the most recently
     admitted running sequence is preempted: its blocks are freed and it goes back to the head
-    of the queue, to recompute prompt + output so far when it is readmitted.
+    of the queue, to recompute prompt + output so far when it is readmitted (with prefix
+    caching on, from its blocks still cached). Admission goes through `Scheduler.admit_for_step`.
     """
 
     def _schedule(self, batch: Batch) -> None:
@@ -45,22 +47,16 @@ class OrcaScheduler(Scheduler):
         return budget
 
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
-        bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            num_tokens = seq.num_tokens - seq.num_computed_tokens
-            if num_tokens > budget:
-                if not (self.config.enable_chunked_prefill or batch.is_empty):
-                    return
-                num_tokens = budget
-            target = seq.num_computed_tokens + num_tokens
-            if not bm.can_allocate(seq, target):
+        """Admit in queue order (FCFS) until one does not fit; choices waiting for their
+        leader's prompt are passed over."""
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            self.waiting.popleft()
-            bm.allocate(seq, target)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.add(seq, num_tokens)
+            if self.waits_for_leader(seq):
+                continue
+            num_tokens = self.admit_for_step(seq, budget, batch)
+            if not num_tokens:
+                return
             budget -= num_tokens
 
     def _preempt(self, seq: Sequence, batch: Batch) -> None:

@@ -1,8 +1,13 @@
-"""The Backend contract: report KV capacity, execute one Batch, hand back sampled tokens."""
+"""The Backend contract the engine calls: report KV capacity, execute one Batch, sample.
+
+The engine owns this interface (as vLLM's engine core owns its executor's); implementations
+live in backends/ and import it, never the reverse (tests/test_layering.py).
+"""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +22,20 @@ class KVCacheSpec:
     block_size: int
 
 
+class BackendDeadError(RuntimeError):
+    """The backend can never run another step (a tensor-parallel rank died or hung).
+
+    Raised from `execute`, it stops the engine for good (the message becomes its
+    `dead_reason`), unlike any other error, which fails only that step's requests.
+    """
+
+
 class Backend(abc.ABC):
     """Executes iterations. Never decides batch membership.
 
-    Implementations run on the engine thread only; `execute` is called with a Batch whose
-    sequences' block tables already cover every scheduled token.
+    The engine calls it from its loop thread only (an implementation may hop elsewhere:
+    the torch backend runs every forward on one process-wide device thread); `execute` is
+    called with a Batch whose sequences' block tables already cover every scheduled token.
     """
 
     #: HF-compatible tokenizer (encode / decode / convert_ids_to_tokens / apply_chat_template)
@@ -39,6 +53,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def execute(self, batch: Batch) -> ExecuteOutput:
         """Run one iteration over `batch` and sample for every sequence that completes."""
+
+    def watch(self, on_dead: Callable[[str], None]) -> None:  # noqa: B027 - optional hook
+        """Call `on_dead(reason)` (from any thread) if the backend dies between steps."""
 
     def release(self, seq_id: int) -> None:  # noqa: B027 - optional hook
         """Forget per-sequence state (sampler generators, penalty counts) of a finished seq."""

@@ -1,0 +1,256 @@
+"""Capacity planning on paper: a model's shape and a GPU's datasheet become the sim's cost
+model, and the real schedulers run a Poisson workload against it in virtual time.
+
+Per rank of `n` tensor-parallel ranks (each holds 1/n of the weights and of the KV heads),
+the terms of `CostModel` (backends/sim.py) are a roofline, added rather than maxed (an upper
+bound that is tight at both ends: decode is all weight reads, long prefills all matmuls):
+
+- `fixed_s`: reading the rank's weights once per step at `hbm_efficiency` of the datasheet
+  bandwidth, plus `layer_overhead_s` of kernel launches and synchronisation per layer;
+- `per_token_s`: the rank's matmuls, `2 * params / n` FLOPs per scheduled token at `mfu`
+  of the datasheet's dense bf16 FLOP/s;
+- `per_context_token_s`: reading one cached token's K and V heads of the rank;
+- the all-reduces (2 per layer + 1), over the GPU's link (its NCCL bus bandwidth and a
+  per-hop latency).
+
+Every number is printed with the result (scripts/plan_tp.py): the answer is only as good as
+these assumptions, and scripts/bench_tp.py measures the link terms on a real machine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+
+from backends.byte_tokenizer import EOS_TOKEN_ID
+from backends.sim import CostModel, SimBackend
+from schedulers.base import AdmissionError, SchedulerConfig
+from schedulers.block_manager import BlockManager
+from schedulers.registry import create_scheduler
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import Sequence, TokenLogprob
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost of a decoder-only model depends on (bf16 weights and KV)."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, all KV heads."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A datasheet: memory, HBM bandwidth, dense bf16 FLOP/s, and its TP link."""
+
+    name: str
+    memory_gb: float
+    hbm_gb_s: float
+    bf16_tflops: float
+    link_gb_s: float  # all-reduce bus bandwidth (NCCL's busbw), per GPU
+    link_latency_us: float  # per ring hop
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """How much of the datasheet a real engine gets."""
+
+    mfu: float = 0.5
+    hbm_efficiency: float = 0.8
+    layer_overhead_s: float = 10e-6
+    memory_reserve: float = 0.1  # of each GPU's memory: activations, workspace, fragmentation
+
+
+MODELS = {
+    "llama-70b": ModelShape("Llama-3-70B", 70.6e9, 80, 8192, 64, 8, 128),
+    "llama-8b": ModelShape("Llama-3-8B", 8.0e9, 32, 4096, 32, 8, 128),
+    "smollm2-135m": ModelShape("SmolLM2-135M", 0.135e9, 30, 576, 9, 3, 64),
+}
+GPUS = {
+    # NVLink 3: 600 GB/s bidirectional per GPU; NCCL all-reduce reaches ~230 GB/s busbw
+    "a100-80gb": Gpu("A100-SXM4-80GB", 80, 2039, 312, 230, 2.0),
+    # NVLink 4: 900 GB/s bidirectional per GPU; NCCL all-reduce reaches ~360 GB/s busbw
+    "h100-80gb": Gpu("H100-SXM5-80GB", 80, 3350, 989, 360, 2.0),
+}
+
+
+def cost_model(model: ModelShape, gpu: Gpu, tp: int, eff: Efficiency) -> CostModel:
+    """The sim's per-step cost of `model` over `tp` ranks of `gpu` (see the module docstring)."""
+    hbm = gpu.hbm_gb_s * GB * eff.hbm_efficiency
+    return CostModel(
+        fixed_s=model.weight_bytes / tp / hbm + model.num_layers * eff.layer_overhead_s,
+        per_token_s=2 * model.num_params / tp / (gpu.bf16_tflops * 1e12 * eff.mfu),
+        per_context_token_s=model.kv_bytes_per_token / tp / hbm,
+        tensor_parallel_size=tp,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        activation_bytes=model.dtype_bytes,
+        link_latency_s=gpu.link_latency_us * 1e-6,
+        link_bandwidth=gpu.link_gb_s * GB,
+    )
+
+
+def kv_blocks(model: ModelShape, gpu: Gpu, tp: int, block_size: int, eff: Efficiency) -> int:
+    """KV blocks that fit: each rank's memory after its weights and the reserve."""
+    free = gpu.memory_gb * GB * (1 - eff.memory_reserve) - model.weight_bytes / tp
+    if free <= 0:
+        raise ValueError(f"{model.name} does not fit on {tp} x {gpu.name}")
+    per_block = model.kv_bytes_per_token / tp * block_size
+    return int(free // per_block)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Poisson arrivals; prompts uniform in a range; outputs lognormal, capped at max_tokens.
+
+    Every request asks `max_tokens` (as clients do) and stops at EOS after its own length, so
+    a policy that reserves the worst case (static) reserves `prompt + max_tokens`.
+    """
+
+    rate: float = 20.0
+    num_requests: int = 2000
+    prompt_tokens: tuple[int, int] = (128, 1024)
+    output_median: float = 128.0
+    output_sigma: float = 0.8
+    max_tokens: int = 512
+    seed: int = 0
+
+    def requests(self) -> list[tuple[float, int, int]]:
+        """(arrival time s, prompt tokens, output tokens) of each request."""
+        rng = random.Random(self.seed)
+        t, out = 0.0, []
+        for _ in range(self.num_requests):
+            t += rng.expovariate(self.rate)
+            prompt = rng.randint(*self.prompt_tokens)
+            length = round(rng.lognormvariate(math.log(self.output_median), self.output_sigma))
+            out.append((t, prompt, min(self.max_tokens, max(1, length))))
+        return out
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """One policy's run, in virtual seconds."""
+
+    policy: str
+    completed: int
+    refused: int
+    duration_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    latency_p50_s: float
+    latency_p99_s: float
+    tpot_mean_s: float
+    mean_batch_size: float
+    max_waiting: int
+
+    @property
+    def throughput_rps(self) -> float:
+        return self.completed / self.duration_s
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if len(values) < 2:
+        return values[0] if values else math.nan
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def simulate(
+    policy: str,
+    cost: CostModel,
+    num_blocks: int,
+    jobs: list[tuple[float, int, int]],
+    *,
+    max_tokens: int = 512,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    max_model_len: int = 4096,
+) -> PlanResult:
+    """Run `jobs` ((arrival s, prompt tokens, output tokens), by arrival; each asking
+    `max_tokens`) through the `policy` scheduler and the sim backend, in virtual time."""
+    backend = SimBackend(
+        num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, cost=cost
+    )
+    blocks = BlockManager(num_blocks, block_size)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    options = {"batch_wait_ms": 0.0} if policy == "static" else None
+    scheduler = create_scheduler(policy, config, blocks, options)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    eos = frozenset({EOS_TOKEN_ID})
+    arrival: dict[int, float] = {}
+    target: dict[int, int] = {}
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    batch_sizes: list[int] = []
+    refused = max_waiting = 0
+    clock, next_job = 0.0, 0
+    while next_job < len(jobs) or scheduler.has_work:
+        while next_job < len(jobs) and jobs[next_job][0] <= clock:
+            at, prompt, length = jobs[next_job]
+            seq = Sequence(next_job, f"r{next_job}", [1] * prompt, params, eos_token_ids=eos,
+                           arrival_time=at)  # fmt: skip
+            try:
+                scheduler.add(seq)
+            except AdmissionError:
+                refused += 1
+            arrival[next_job], target[next_job] = at, length
+            next_job += 1
+        max_waiting = max(max_waiting, len(scheduler.waiting))
+        batch = scheduler.schedule() if scheduler.has_work else None
+        if batch is None or batch.is_empty:
+            if next_job == len(jobs):
+                break  # nothing can run and nothing will arrive
+            clock = max(clock, jobs[next_job][0])
+            continue
+        before = backend.virtual_time_s
+        output = backend.execute(batch)
+        clock += backend.virtual_time_s - before
+        for seq in batch.seqs:
+            if seq.seq_id in output.sampled and seq.num_output_tokens + 1 >= target[seq.seq_id]:
+                output.sampled[seq.seq_id] = TokenLogprob(EOS_TOKEN_ID, 0.0)
+        scheduler.update(batch, output)
+        batch_sizes.append(len(batch.seqs))
+        for seq in batch.seqs:
+            if seq.seq_id in output.sampled:
+                first.setdefault(seq.seq_id, clock)
+                if seq.is_finished:
+                    done[seq.seq_id] = clock
+    ttft = [first[i] - arrival[i] for i in done]
+    latency = [done[i] - arrival[i] for i in done]
+    tpot = [(done[i] - first[i]) / (target[i] - 1) for i in done if target[i] > 1]
+    return PlanResult(
+        policy=policy,
+        completed=len(done),
+        refused=refused,
+        duration_s=clock,
+        ttft_p50_s=_quantile(ttft, 0.5),
+        ttft_p99_s=_quantile(ttft, 0.99),
+        latency_p50_s=_quantile(latency, 0.5),
+        latency_p99_s=_quantile(latency, 0.99),
+        tpot_mean_s=statistics.fmean(tpot) if tpot else math.nan,
+        mean_batch_size=statistics.fmean(batch_sizes) if batch_sizes else 0.0,
+        max_waiting=max_waiting,
+    )

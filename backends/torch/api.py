@@ -1,0 +1,18 @@
+"""The torch backend's entry points for the gateway, which imports this module lazily
+(gateway/engine_factory.py), only when a torch arm is asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backends.torch.device_thread import call_on_own_thread
+from backends.torch.loader import load_model
+from backends.torch.parallel.backend import TensorParallelBackend
+from backends.torch.runner import TorchBackend, resolve_device, resolve_dtype
+
+__all__ = ["TensorParallelBackend", "TorchBackend", "call_on_own_thread", "load_weights"]
+
+
+def load_weights(model: str, device: str | None, dtype: str | None) -> tuple[Any, Any]:
+    """(HF model, tokenizer) of `model`, loaded in the dtype `device` serves by default."""
+    return load_model(model, dtype=resolve_dtype(dtype, resolve_device(device)))

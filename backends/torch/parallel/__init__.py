@@ -1,0 +1,1 @@
+"""Tensor parallelism for the torch backend over torch.distributed (docs/parallelism.md)."""

@@ -1,0 +1,97 @@
+"""The collectives tensor parallelism adds to the one-device forward, as wrappers.
+
+`parallelize(model, plan)` turns a `PagedCausalLM` built over a rank's shard (shard.py) into
+that rank's part of the tensor-parallel forward, Megatron-style:
+
+- the vocabulary-parallel embedding looks up the rows it holds (zeros elsewhere), then one
+  all-reduce gives every rank the full `[N, H]` embeddings;
+- attention runs on the rank's own heads (the config's head counts are the local ones, so
+  PagedCausalLM sizes attention and its KV cache for them); o_proj is row-parallel: each
+  rank's partial `[N, H]` product is summed by an all-reduce;
+- gate/up are column-parallel (the rank's intermediate rows), down is row-parallel with an
+  all-reduce;
+- the LM head computes the rank's vocabulary columns of the logits; rank 0 gathers them
+  into `[B, V]` (the sampler runs there only).
+
+That is 2 all-reduces per layer, plus one for the embedding and one gather, per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from backends.torch.model import PagedCausalLM
+from backends.torch.packed import Linear
+from backends.torch.parallel.sizes import ShardPlan
+
+
+class RowParallelLinear(Linear):
+    """A row-parallel projection: this rank's partial product, all-reduced (summed).
+
+    NOTE: a bias is added on rank 0 only, so the sum holds it once.
+    """
+
+    def __init__(self, inner: Linear, rank: int) -> None:  # NOTE: reuses inner's packed weight
+        self.weight = inner.weight
+        self.bias = inner.bias if rank == 0 else None
+        self.plan = inner.plan
+        self.packed = inner.packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().__call__(x)  # (N, H) partial sum
+        dist.all_reduce(out)
+        return out
+
+
+class GatheredLMHead(Linear):
+    """The vocabulary-parallel LM head: rank 0 gets the full logits, the others their part."""
+
+    def __init__(self, inner: Linear, rank: int, world_size: int) -> None:
+        self.weight = inner.weight
+        self.bias = inner.bias
+        self.plan = inner.plan
+        self.packed = inner.packed
+        self.rank = rank
+        self.world_size = world_size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        local = super().__call__(x).contiguous()  # (B, V / n)
+        parts = (
+            [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
+        )
+        dist.gather(local, parts, group_dst=0)
+        return local if parts is None else torch.cat(parts, dim=-1)  # (B, V) on rank 0
+
+
+class VocabParallelEmbedding:
+    """The vocabulary rows `[start, start + rows)`; the all-reduce brings in the others."""
+
+    def __init__(self, weight: torch.Tensor, start: int) -> None:
+        self.weight = weight  # (V / n, H)
+        self.start = start
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])  # (N,)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)  # (N, H)
+        hidden.masked_fill_(outside[:, None], 0.0)
+        dist.all_reduce(hidden)
+        return hidden
+
+
+def parallelize(model: PagedCausalLM, plan: ShardPlan) -> PagedCausalLM:
+    """Install the collectives of rank `plan.rank` into `model` (in place; returned)."""
+    rank = plan.rank
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, plan.vocab.start)
+    model.linears = [
+        dataclasses.replace(
+            lin, o_proj=RowParallelLinear(lin.o_proj, rank), down=RowParallelLinear(lin.down, rank)
+        )
+        for lin in model.linears
+    ]
+    model.lm_head_linear = GatheredLMHead(model.lm_head_linear, rank, plan.world_size)
+    return model

@@ -1,0 +1,118 @@
+"""Load one rank's shard of a Hugging Face checkpoint, and nothing more, from safetensors.
+
+The rank's model is the HF class built from its local config (sizes.py), so every module
+already has its shard's shape; its parameters are then read with `safe_open(...).get_slice`
+(only the rows or columns this rank owns leave the file):
+
+- column-parallel (rows of the weight): q_proj by query heads, k_proj / v_proj by KV heads
+  (replicated when there are more ranks than KV heads), gate_proj / up_proj by intermediate
+  rows, embed_tokens / lm_head by vocabulary rows;
+- row-parallel (columns of the weight): o_proj by query heads, down_proj by intermediate
+  columns; their biases (if any) are kept whole and added on rank 0 only (layers.py);
+- replicated: every norm (input/post-attention, final, Qwen3's per-head q_norm / k_norm).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from backends.torch.parallel.sizes import ModelDims, ShardPlan
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+#: (name pattern, dim, which range of the plan, in units of head_dim rows or not)
+_RULES: list[tuple[re.Pattern[str], int, str]] = [
+    (re.compile(r"(embed_tokens|lm_head)\.weight$"), 0, "vocab"),
+    (re.compile(r"q_proj\.(weight|bias)$"), 0, "q_heads"),
+    (re.compile(r"[kv]_proj\.(weight|bias)$"), 0, "kv_heads"),
+    (re.compile(r"o_proj\.weight$"), 1, "q_heads"),
+    (re.compile(r"(gate|up)_proj\.(weight|bias)$"), 0, "intermediate"),
+    (re.compile(r"down_proj\.weight$"), 1, "intermediate"),
+]
+_REPLICATED = re.compile(r"(norm\.weight|norm\.bias|o_proj\.bias|down_proj\.bias)$")
+_PER_HEAD = ("q_heads", "kv_heads")
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor of the checkpoint in `model_dir`."""
+    index = model_dir / _INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    with safe_open(str(model_dir / _SINGLE), "pt") as f:
+        return {name: model_dir / _SINGLE for name in f.keys()}  # noqa: SIM118 - not a dict
+
+
+def shard_range(name: str, plan: ShardPlan) -> tuple[int, range] | None:
+    """(dim, index range) of `name` this rank holds, None for a replicated tensor."""
+    for pattern, dim, part in _RULES:
+        if pattern.search(name):
+            heads: range = getattr(plan, part)
+            if part not in _PER_HEAD:
+                return dim, heads
+            hd = plan.dims.head_dim
+            return dim, range(heads.start * hd, heads.stop * hd)
+    if _REPLICATED.search(name):
+        return None
+    raise ValueError(f"no tensor-parallel rule for the parameter {name!r}")
+
+
+def read_shard(
+    files: dict[str, Path], names: list[str], plan: ShardPlan, dtype: torch.dtype, device: str
+) -> dict[str, torch.Tensor]:
+    """This rank's slice of each tensor in `names`, read from `files` (by name)."""
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for path, file_names in by_file.items():
+        with safe_open(str(path), "pt", device=device) as f:
+            for name in file_names:
+                part = shard_range(name, plan)
+                view = f.get_slice(name)
+                if part is None:
+                    tensor = view[:]
+                elif part[0] == 0:
+                    tensor = view[part[1].start : part[1].stop]
+                else:
+                    tensor = view[:, part[1].start : part[1].stop]
+                out[name] = tensor.to(dtype).contiguous()
+    return out
+
+
+def load_shard(
+    model_dir: str | Path, plan: ShardPlan, dtype: torch.dtype, device: str = "cpu"
+) -> PreTrainedModel:
+    """The HF causal LM of rank `plan.rank`: local sizes, its own slices of the weights."""
+    model_dir = Path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    if ModelDims.of(config) != plan.dims:
+        raise ValueError(f"{model_dir} does not have the dimensions the shard plan was made for")
+    with init_empty_weights():  # NOTE: parameters on the meta device, buffers (rotary) real
+        model: Any = AutoModelForCausalLM.from_config(plan.local_config(config), dtype=dtype)
+    files = weight_files(model_dir)
+    wanted = list(model.state_dict())
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head.weight" not in files
+    names = [n for n in wanted if not (tied and n == "lm_head.weight")]
+    missing = [n for n in names if n not in files]
+    if missing:
+        raise ValueError(f"{model_dir} lacks the tensors {missing[:4]}")
+    tensors = read_shard(files, names, plan, dtype, device)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:  # the same vocabulary rows serve the embedding and the LM head
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(device)  # the rotary buffers
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise ValueError(f"shard loading left parameters unset: {still_meta[:4]}")
+    return model.eval()  # type: ignore[no-any-return]

@@ -1,0 +1,139 @@
+"""A non-zero rank of the tensor-parallel group: join, then obey rank 0's control messages.
+
+Started either by rank 0 with torch's multiprocessing (`run_spawned`, one node), or on any
+node from the torchrun-style environment::
+
+    MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=1 LOCAL_RANK=0 \
+        python -m backends.torch.parallel.worker [--device cuda] [--timeout-s 30]
+
+The loop holds one model instance per tensor-parallel arm of rank 0 (LOAD / UNLOAD) and
+runs each STEP's forward on its shard. It exits on SHUTDOWN; on any failure of a collective
+(rank 0 gone, or silent past the timeout: rank 0 sends a heartbeat every second while idle);
+and, when spawned, as soon as its parent process is gone (checked twice a second), so a
+killed server leaves no worker behind. Started from the environment it ignores SIGTERM and
+SIGINT: the server drains on them, and the drain needs every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from backends.torch.parallel.channel import Channel, Kind
+from backends.torch.parallel.rendezvous import (
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    control_group,
+    environment_store,
+    join_group,
+    local_device,
+)
+from backends.torch.parallel.step import FlatStep
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """End this process (from a daemon thread) once `parent_pid` is no longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="carousel-tp-parent", daemon=True).start()
+
+
+def run_spawned(
+    rank: int,
+    world_size: int,
+    port: int,
+    device_type: str,
+    parent_pid: int,
+    timeout_s: float,
+    start_timeout_s: float,
+    threads: int,
+) -> None:
+    """Entry point of rank `rank`, spawned by rank 0 (group.py)."""
+    exit_with_parent(parent_pid)
+    if device_type == "cpu":
+        torch.set_num_threads(threads)
+    device = local_device(device_type, rank)
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=False,
+        timeout=datetime.timedelta(seconds=start_timeout_s),
+    )  # fmt: skip
+    join_group(store, rank, world_size, device_type, timeout_s, start_timeout_s)
+    serve(device, device_type, datetime.timedelta(seconds=timeout_s))
+
+
+def serve(device: torch.device, device_type: str, timeout: datetime.timedelta) -> None:
+    """Obey rank 0 until SHUTDOWN (a failed collective raises and ends the process)."""
+    from backends.torch.parallel.backend import LoadSpec, TensorParallelBackend
+
+    channel = Channel(control_group(device_type, timeout))
+    instances: dict[int, Any] = {}
+    while True:
+        kind, instance, *sizes = channel.header()
+        if kind == Kind.STEP:
+            buffer = torch.empty(FlatStep.packed_len(sizes[:4]), dtype=torch.long)
+            step = FlatStep.unpack(sizes[:4], channel.buffer(buffer))
+            instances[instance].run_step(step)
+        elif kind == Kind.HEARTBEAT:
+            channel.heartbeat()
+        elif kind == Kind.DESCRIBE:
+            channel.all_gather(instances[instance].describe_rank())
+        elif kind == Kind.LOAD:
+            spec: LoadSpec = channel.object()
+            built, _errors = TensorParallelBackend.build_rank(spec, channel, device)
+            if built is not None:
+                instances[instance] = built
+        elif kind == Kind.UNLOAD:
+            backend = instances.pop(instance, None)
+            if backend is not None:
+                backend.free()
+        elif kind == Kind.SHUTDOWN:
+            # NOTE: only a clean shutdown leaves the group; after a failure, exiting is all
+            dist.destroy_process_group()
+            return
+        else:
+            raise RuntimeError(f"unknown control message {kind}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A rank joined from the torchrun-style environment (another node, or torchrun)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--start-timeout-s", type=float, default=DEFAULT_START_TIMEOUT_S)
+    args = parser.parse_args(argv)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        print("rank 0 is the serving process (carousel serve)", file=sys.stderr)
+        return 2
+    # NOTE: a launcher signals every rank at once (torchrun forwards SIGTERM, a terminal's ^C
+    # reaches the process group); the server then drains, which needs this rank, so rank 0's
+    # SHUTDOWN (or its silence past the timeout) is what ends a worker
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    if device_type == "cpu":  # the node's cores, shared with the other ranks on it
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    device = local_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    store = environment_store(args.start_timeout_s)
+    world_size = int(os.environ["WORLD_SIZE"])
+    join_group(store, rank, world_size, device_type, args.timeout_s, args.start_timeout_s)
+    serve(device, device_type, datetime.timedelta(seconds=args.timeout_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

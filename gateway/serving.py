@@ -1,0 +1,104 @@
+"""The one local pipeline every endpoint shares: preprocess -> generate -> build.
+
+    check fields -> prompts (token ids) -> context budget -> SamplingParams -> engine
+    stream -> (stream) chunk payloads | (non-stream) collect -> response body
+
+An endpoint supplies only what differs: how its request becomes prompts and parameters
+(`prompts`, `requested_max_tokens`, `logprobs`) and how outputs become its wire shapes
+(`body`, `chunks`). Chat, completions and responses are subclasses of `LocalEndpoint`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncGenerator
+from typing import Any, Generic, TypeVar
+
+from gateway.context import RequestContext
+from gateway.endpoint import Reply
+from gateway.serving_common import (
+    ChoiceResult,
+    EngineRuntime,
+    check_stream_options,
+    collect,
+    context_budget,
+    log_ignored_fields,
+    open_stream,
+    sampling_params,
+)
+from gateway.streaming import PayloadStream
+from schedulers.client import RequestStream
+from schedulers.sampling_params import SamplingParams
+
+RequestT = TypeVar("RequestT")
+
+
+class LocalEndpoint(abc.ABC, Generic[RequestT]):
+    """How a local engine serves one endpoint; call it as `await endpoint(runtime, req, ctx)`."""
+
+    #: the request field that holds the prompt (named by context-length errors)
+    prompt_param: str = "prompt"
+
+    async def __call__(self, runtime: EngineRuntime, request: Any, ctx: RequestContext) -> Reply:
+        log_ignored_fields(request, ctx)
+        self.check(request)
+        check_stream_options(request)
+        ctx.scheduler = runtime.scheduler
+        prompts = await self.prompts(runtime, request, ctx)
+        ctx.prompt_tokens = sum(len(p) for p in prompts)
+        requested, requested_param = self.requested_max_tokens(request)
+        longest = max(len(p) for p in prompts)
+        max_tokens = context_budget(requested, requested_param, longest, runtime, self.prompt_param)
+        params = self.sampling_params(runtime, request, max_tokens)
+        priority = getattr(request, "priority", 0)
+        stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
+        ctx.accept()
+        if request.stream:
+            chunks = self.chunks(runtime, request, ctx, prompts, stream)
+            return PayloadStream(chunks, stream.close)
+        results = await collect(runtime, stream, ctx, len(prompts) * params.n)
+        return self.body(runtime, request, ctx, prompts, results)
+
+    def check(self, request: RequestT) -> None:  # noqa: B027 - optional hook
+        """Refuse, by name, fields this endpoint does not implement."""
+
+    @abc.abstractmethod
+    async def prompts(
+        self, runtime: EngineRuntime, request: RequestT, ctx: RequestContext
+    ) -> list[list[int]]:
+        """The prompts as token ids (also setting `ctx.prompt_text` for the log)."""
+
+    @abc.abstractmethod
+    def requested_max_tokens(self, request: RequestT) -> tuple[int | None, str]:
+        """(the completion budget asked for, None if absent; the field that asked it)."""
+
+    def logprobs(self, request: RequestT) -> int | None:
+        """Alternatives per token to return (None: no logprobs)."""
+        return None
+
+    def sampling_params(
+        self, runtime: EngineRuntime, request: RequestT, max_tokens: int
+    ) -> SamplingParams:
+        return sampling_params(request, runtime, max_tokens, self.logprobs(request))  # type: ignore[arg-type]
+
+    @abc.abstractmethod
+    def body(
+        self,
+        runtime: EngineRuntime,
+        request: RequestT,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        results: list[ChoiceResult],
+    ) -> dict[str, Any]:
+        """The non-streaming response body."""
+
+    @abc.abstractmethod
+    def chunks(
+        self,
+        runtime: EngineRuntime,
+        request: RequestT,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        stream: RequestStream,
+    ) -> AsyncGenerator[str, None]:
+        """The stream's payloads (JSON strings), closing `stream` when done."""

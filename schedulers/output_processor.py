@@ -1,0 +1,71 @@
+"""Output processing: the engine's token-level outputs -> text deltas, with stop strings.
+
+It runs on the consumer's side (the asyncio loop of the gateway, `LLM`'s loop), not on the
+engine thread, so detokenization and stop-string search never sit on the step loop's
+critical path (as vLLM v1's output processor runs in the front-end process). A stop string
+ends its choice here at once; the engine hears of it through `Engine.stop_choice` and frees
+the sequence's KV blocks at its next iteration (tokens it computed meanwhile are dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from schedulers.detokenizer import IncrementalDetokenizer
+from schedulers.outputs import RequestOutput
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import FinishReason
+
+
+@dataclasses.dataclass
+class _Choice:
+    detokenizer: IncrementalDetokenizer
+    num_output_tokens: int = 0
+    finished: bool = False
+
+
+class OutputProcessor:
+    """Text for every choice of one request (one prompt, `params.n` choices)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self._choices = [
+            _Choice(IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop))
+            for _ in range(params.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self._choices)
+
+    def is_finished(self, index: int) -> bool:
+        return self._choices[index].finished
+
+    def process(self, output: RequestOutput) -> tuple[RequestOutput | None, bool]:
+        """(the output with its text, whether a stop string just ended the choice).
+
+        The output is None for what arrives after its choice ended (the engine had run on
+        past a stop string). NOTE: a stop string ends the choice with `stop` even when the
+        engine's output carried another finish reason, as the cut text is what the client gets.
+        """
+        choice = self._choices[output.index]
+        if choice.finished:
+            return None, False
+        detok = choice.detokenizer
+        kept = output.token_ids
+        if kept and output.finish_reason != FinishReason.ABORT:
+            choice.num_output_tokens += len(kept)
+            detok.add_tokens(kept)
+        stopped = detok.stopped
+        final = output.finished or stopped
+        if final:
+            detok.finish()
+            choice.finished = True
+        text = detok.take(final=final)
+        update: dict[str, Any] = {"text": text}
+        if stopped:
+            update.update(finish_reason=FinishReason.STOP.value, error=None, error_code=None)
+        if final:
+            update["num_output_tokens"] = choice.num_output_tokens
+        stop_hit = stopped and not output.finished
+        return dataclasses.replace(output, **update), stop_hit

@@ -1,0 +1,117 @@
+"""`static`: request-level batching, the Orca paper's baseline (FasterTransformer style)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from schedulers.base import Scheduler, SchedulerConfig
+from schedulers.batch import Batch
+from schedulers.block_manager import NO_HIT, BlockManager
+from schedulers.registry import register_scheduler
+from schedulers.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """static's own knobs."""
+
+    batch_wait_ms: float = field(
+        default=0.0, metadata={"help": "static: wait this long (ms) for a batch to fill"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be at least 0, got {self.batch_wait_ms}")
+
+
+@register_scheduler("static")
+class StaticScheduler(Scheduler):
+    """Form a batch when nothing runs; run it until every member has finished.
+
+    A batch takes up to `max_num_seqs` waiting requests in arrival order, waiting up to
+    `batch_wait_ms` after the oldest arrived for it to fill. Formation reserves each
+    member's worst case (prompt + max_tokens) in KV blocks, as the baseline systems do, so a
+    running batch never runs out; with prefix caching on, a member starts from its cached
+    prefix at formation and its reservation leaves out the blocks it shares. The members'
+    prompts are prefilled together, spread over as many iterations as the token budget needs.
+    Nobody joins meanwhile; a member that finishes early returns at once and its seat stays
+    empty until the whole batch is done. The later choices of an `n > 1` request start once
+    their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
+    """
+
+    Options = StaticOptions
+    options: StaticOptions
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, options: Any = None
+    ) -> None:
+        super().__init__(config, block_manager, options)
+        #: members reserved at formation that start once their leader has cached the prompt
+        self._followers: list[Sequence] = []
+
+    def _schedule(self, batch: Batch) -> None:
+        if not self.running:
+            if not self._ready_to_form():
+                return
+            self._form_batch(batch)
+        self._start_followers(batch)
+        budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq in self._followers:
+                continue
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens)
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+
+    def _ready_to_form(self) -> bool:
+        if not self.waiting:
+            return False
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        return time.monotonic() >= self._form_deadline()
+
+    def _form_deadline(self) -> float:
+        """When the oldest waiting request stops waiting for the batch to fill."""
+        return self.waiting[0].arrival_time + self.options.batch_wait_ms / 1000.0
+
+    def _form_batch(self, batch: Batch) -> None:
+        """Take waiting requests while their worst cases fit, each starting from its cached
+        prefix at once (so no other member's allocation can evict what its reservation
+        counts on). A reservation counts only the blocks a member does not share."""
+        bm = self.block_manager
+        free_blocks = bm.num_free_blocks
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            follows = self.waits_for_leader(seq)
+            hit = NO_HIT if follows else self.prefix_hit(seq)
+            reserve = bm.num_new_blocks(seq, seq.max_total_tokens, hit)
+            if self.running and reserve > free_blocks:
+                break
+            if follows:  # NOTE: reserved in full; it starts from its leader's blocks later
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self._followers.append(seq)
+            else:
+                self.admit(seq, hit, 0, batch)
+            free_blocks -= reserve
+
+    def _start_followers(self, batch: Batch) -> None:
+        """Start the later choices whose leader has now cached the prompt, from its blocks
+        (before any other allocation of this step, so none of them is evicted first)."""
+        for seq in list(self._followers):
+            if seq.is_finished:
+                self._followers.remove(seq)
+            elif not self.waits_for_leader(seq):
+                self._followers.remove(seq)
+                self.admit(seq, self.prefix_hit(seq), 0, batch)
+
+    def next_wakeup(self) -> float | None:
+        if self.running or not self.waiting:
+            return None
+        return self._form_deadline()

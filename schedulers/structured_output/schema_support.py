@@ -1,0 +1,300 @@
+"""Which JSON schemas (and regexes) the grammar can enforce; checked before compiling.
+
+xgrammar compiles most of JSON Schema into its grammar, but it silently ignores some
+keywords, so a schema using them would yield outputs that do not validate. Measured on
+xgrammar 0.2.9 (docs/structured-outputs.md has the table): `not`, `if`/`then`/`else`,
+`dependentRequired`/`dependentSchemas`/`dependencies`, `contains`/`minContains`/
+`maxContains`, `uniqueItems: true`, `allOf` with more than one schema, `oneOf` (decoded as
+`anyOf`, so it is only safe when its branches cannot match the same value), `multipleOf`
+other than an integer on an integer, `$ref` to anything but a local JSON pointer, keywords
+beside `$ref`, `minLength`/`maxLength` beside `pattern` or `format`, and regex lookaround,
+backreferences, `\\b`, `\\A`/`\\Z`, `\\p{..}` and inline flags. Those are refused here, by
+name and location, instead of being dropped.
+
+One more xgrammar bug is worked around rather than refused: a string with `minLength` /
+`maxLength` compiles to a rule that admits raw control characters (invalid JSON), so
+`for_xgrammar` rewrites it to the equivalent `pattern` `^.{min,max}$`, whose rule is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import jsonschema_rs
+
+Problem = tuple[Literal["invalid", "unsupported", "too_large"], str]
+
+#: the drafts a schema may declare in `$schema` (http or https, with or without a final '#')
+KNOWN_DRAFTS = {
+    "json-schema.org/draft-04/schema",
+    "json-schema.org/draft-06/schema",
+    "json-schema.org/draft-07/schema",
+    "json-schema.org/draft/2019-09/schema",
+    "json-schema.org/draft/2020-12/schema",
+}
+#: deepest nesting of subschemas accepted (OpenAI allows 10 levels of objects)
+MAX_SCHEMA_DEPTH = 64
+
+_NEVER_ENFORCED = {
+    "not": "'not'",
+    "if": "'if'/'then'/'else'",
+    "then": "'if'/'then'/'else'",
+    "else": "'if'/'then'/'else'",
+    "dependentRequired": "'dependentRequired'",
+    "dependentSchemas": "'dependentSchemas'",
+    "dependencies": "'dependencies'",
+    "contains": "'contains'",
+    "minContains": "'minContains'",
+    "maxContains": "'maxContains'",
+    "$dynamicRef": "'$dynamicRef'",
+    "$recursiveRef": "'$recursiveRef'",
+}
+#: keywords that do not constrain values: allowed beside `$ref`
+_ANNOTATIONS = {
+    "$ref", "$defs", "definitions", "$schema", "$id", "$comment", "$anchor", "title",
+    "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+    "discriminator",
+}  # fmt: skip
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUES = (
+    "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
+    "items", "additionalItems", "contains", "not", "if", "then", "else",
+)  # fmt: skip
+_SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf", "items")
+
+
+def json_schema_problem(schema: Any) -> Problem | None:
+    """Why `schema` cannot be served, or None: not a valid JSON schema (checked against the
+    meta-schema of its `$schema` draft, 2020-12 by default), or a feature the grammar does
+    not enforce, named with its JSON pointer.
+
+    NOTE: the meta-schema check is jsonschema-rs (~1 ms for 25 KB, where the pure-Python
+    `jsonschema` takes ~200 ms holding the GIL). It would fetch an unknown `$schema` URL, so
+    any `$schema` other than a known draft is refused first: nothing is ever fetched.
+    """
+    if not isinstance(schema, dict | bool):
+        return "invalid", "A JSON schema must be an object or a boolean."
+    if schema is False:
+        return "invalid", "The schema `false` matches nothing."
+    subschemas = list(_subschemas(schema))
+    for pointer, node, depth in subschemas:
+        if depth > MAX_SCHEMA_DEPTH:
+            return "too_large", f"The schema is nested more than {MAX_SCHEMA_DEPTH} levels deep."
+        draft = node.get("$schema")
+        if draft is not None and _draft_key(draft) not in KNOWN_DRAFTS:
+            return "invalid", f"Unknown '$schema' {draft!r} at {pointer or '/'}."
+    try:
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as error:
+        where = _pointer(error.instance_path)
+        return "invalid", f"Invalid JSON schema at {where}: {error.message}"
+    except jsonschema_rs.ReferencingError as error:
+        return "invalid", f"Invalid JSON schema: {error}"
+    for pointer, node, _ in subschemas:
+        message = _unenforced(node, schema)
+        if message is not None:
+            return "unsupported", f"Unsupported JSON schema feature at {pointer or '/'}: {message}"
+    return None
+
+
+def _draft_key(uri: Any) -> str:
+    text = str(uri).rstrip("#")
+    return text.split("://", 1)[-1]
+
+
+def for_xgrammar(schema: Any) -> Any:
+    """A copy of `schema` that xgrammar compiles exactly: length-bounded strings without a
+    `pattern` or `format` become the pattern `^.{min,max}$` (same values, valid JSON)."""
+    if not isinstance(schema, dict):
+        return schema
+    rewritten = copy.deepcopy(schema)
+    for _, node, _ in _subschemas(rewritten):
+        types = node.get("type", "string")
+        is_string = types == "string" or isinstance(types, list) and "string" in types
+        has_length = "minLength" in node or "maxLength" in node
+        if is_string and has_length and "pattern" not in node and "format" not in node:
+            low = int(node.pop("minLength", 0))
+            high = node.pop("maxLength", None)
+            node["pattern"] = f"^.{{{low},{'' if high is None else int(high)}}}$"
+    return rewritten
+
+
+def regex_problem(pattern: str) -> str | None:
+    """What in `pattern` xgrammar's regex engine does not implement, or None."""
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        nxt = pattern[i + 1] if i + 1 < len(pattern) else ""
+        if c == "\\":
+            if nxt in "123456789":
+                return f"regex backreference '\\{nxt}' is not supported."
+            if nxt in "kbBpPAZz":
+                return f"regex escape '\\{nxt}' is not supported."
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]" or pattern[i + 1 : i + 3] == "^]":
+                i += 2 if nxt == "]" else 3  # a leading ']' is a literal
+                continue
+        elif c == "(" and nxt == "?" and pattern[i + 2 : i + 3] != ":":
+            return "regex lookaround, named groups and inline flags ('(?...)') are not supported."
+        i += 1
+    return None
+
+
+def _pointer(path: Any) -> str:
+    """A JSON pointer ("/properties/a") for a jsonschema error path."""
+    parts = [str(p).replace("~", "~0").replace("/", "~1") for p in path]
+    return "/" + "/".join(parts) if parts else "/"
+
+
+def _subschemas(schema: Any) -> Iterator[tuple[str, dict[str, Any], int]]:
+    """(JSON pointer, subschema, depth) of every object subschema, root first (no recursion:
+    a deep schema cannot overflow the stack)."""
+    stack: list[tuple[str, Any, int]] = [("", schema, 0)]
+    while stack:
+        pointer, node, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield pointer, node, depth
+        for key in _SCHEMA_MAPS:
+            value = node.get(key)
+            if isinstance(value, dict):
+                for name, child in value.items():
+                    stack.append((f"{pointer}/{key}/{_escape(name)}", child, depth + 1))
+        for key in _SCHEMA_VALUES:
+            if isinstance(node.get(key), dict):
+                stack.append((f"{pointer}/{key}", node[key], depth + 1))
+        for key in _SCHEMA_LISTS:
+            value = node.get(key)
+            if isinstance(value, list):
+                for i, child in enumerate(value):
+                    stack.append((f"{pointer}/{key}/{i}", child, depth + 1))
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _unenforced(node: dict[str, Any], root: Any) -> str | None:
+    """What in this one subschema (not its children) the grammar would not enforce."""
+    for key, label in _NEVER_ENFORCED.items():
+        if key in node:
+            return f"{label} is not enforced by the grammar."
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems' is not enforced by the grammar."
+    if ("minLength" in node or "maxLength" in node) and ("pattern" in node or "format" in node):
+        return "'minLength'/'maxLength' beside 'pattern' or 'format' are not enforced."
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' with more than one schema is not enforced by the grammar."
+    if "multipleOf" in node:
+        divisor = node["multipleOf"]
+        if node.get("type") != "integer" or isinstance(divisor, float) and not divisor.is_integer():
+            return "'multipleOf' is enforced only as a whole number on 'type': 'integer'."
+    if "$ref" in node:
+        ref = node["$ref"]
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            return f"only local '$ref's ('#/...') are supported, got {ref!r}."
+        if _resolve(node, root) is None:
+            return f"'$ref' {ref!r} does not resolve within the schema."
+        siblings = sorted(set(node) - _ANNOTATIONS)
+        if siblings:
+            return f"keywords beside '$ref' are ignored by the grammar: {', '.join(siblings)}."
+    for pattern in _patterns(node):
+        problem = regex_problem(pattern)
+        if problem is not None:
+            return problem
+    if isinstance(node.get("oneOf"), list) and not _pairwise_disjoint(node["oneOf"], root):
+        return (
+            "'oneOf' is enforced as 'anyOf', so its branches must not match the same value "
+            "(give them distinct types, or a required property with distinct 'const' values)."
+        )
+    return None
+
+
+def _patterns(node: dict[str, Any]) -> Iterator[str]:
+    if isinstance(node.get("pattern"), str):
+        yield node["pattern"]
+    if isinstance(node.get("patternProperties"), dict):
+        yield from node["patternProperties"]
+
+
+def _resolve(schema: Any, root: Any, hops: int = 32) -> Any:
+    """`schema` with local `$ref`s followed (None when one does not resolve)."""
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and hops > 0:
+        ref = schema["$ref"]
+        if not (ref == "#" or ref.startswith("#/")):
+            return None
+        target = root
+        for raw in ref[2:].split("/") if ref != "#" else []:
+            part = raw.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return None
+        schema, hops = target, hops - 1
+    return schema
+
+
+def _pairwise_disjoint(branches: list[Any], root: Any) -> bool:
+    resolved = [_resolve(b, root) for b in branches]
+    return all(_disjoint(a, b, root) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+
+
+def _disjoint(a: Any, b: Any, root: Any) -> bool:
+    """Whether no value can match both `a` and `b` (provably, by types, consts or a
+    discriminating required property); False when unsure."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return a is False or b is False
+    types_a, types_b = _types(a), _types(b)
+    if types_a is not None and types_b is not None and not _types_overlap(types_a, types_b):
+        return True
+    consts_a, consts_b = _consts(a), _consts(b)
+    if consts_a is not None and consts_b is not None:
+        return not any(_eq(x, y) for x in consts_a for y in consts_b)
+    required = set(a.get("required") or ()) & set(b.get("required") or ())
+    props_a, props_b = a.get("properties") or {}, b.get("properties") or {}
+    for name in required:
+        pa, pb = _resolve(props_a.get(name), root), _resolve(props_b.get(name), root)
+        ca = _consts(pa) if isinstance(pa, dict) else None
+        cb = _consts(pb) if isinstance(pb, dict) else None
+        if ca is not None and cb is not None and not any(_eq(x, y) for x in ca for y in cb):
+            return True
+    return False
+
+
+def _types(schema: dict[str, Any]) -> set[str] | None:
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return {declared}
+    if isinstance(declared, list):
+        return {str(t) for t in declared}
+    return None
+
+
+def _types_overlap(a: set[str], b: set[str]) -> bool:
+    widen = {"integer": {"integer", "number"}, "number": {"integer", "number"}}
+    return any(widen.get(t, {t}) & b for t in a)
+
+
+def _consts(schema: dict[str, Any]) -> list[Any] | None:
+    if "const" in schema:
+        return [schema["const"]]
+    if isinstance(schema.get("enum"), list):
+        return list(schema["enum"])
+    return None
+
+
+def _eq(x: Any, y: Any) -> bool:
+    """JSON equality: 1 == 1.0, but true != 1."""
+    if isinstance(x, bool) or isinstance(y, bool):
+        return type(x) is type(y) and x == y
+    return bool(x == y)

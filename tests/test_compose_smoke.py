@@ -1,0 +1,172 @@
+"""scripts/compose-smoke.sh: the compose stack built and run for real in containers.
+
+The smoke runs where docker (with a daemon it reaches) or podman works, and is skipped with
+the reason otherwise (CI has neither): it builds the cpu image, starts the gateway, both
+engines and Prometheus, sends OpenAI SDK requests through the gateway, checks the per-arm
+series in /metrics and Prometheus and the Grafana dashboard's queries, and tears down. Set
+CAROUSEL_SMOKE_BREAK (engine-unreachable, arm-missing, unhealthy) to watch it fail.
+
+The smoke's checks (scripts/compose_smoke.py) also run without containers, on every test run:
+against the compose services started as loopback processes with the sim backend (the
+`stack` fixture of tests/test_compose.py), where they must pass, and fail when an arm gets
+no traffic or the gateway's counts disagree with what was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_compose import LocalService, stack  # noqa: F401  (a fixture, used below)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "compose-smoke.sh"
+CHECKS = ROOT / "scripts" / "compose_smoke.py"
+#: the whole smoke: builds (cached after the first), three model loads on two cores, checks
+SMOKE_TIMEOUT_S = 3000
+
+
+def working_engine() -> tuple[str | None, str]:
+    """The container engine the smoke would use, or None and why there is none."""
+    reasons = []
+    for engine, probe_s in (("docker", 20), ("podman", 60)):
+        binary = shutil.which(engine)
+        if binary is None:
+            reasons.append(f"no {engine}")
+            continue
+        try:
+            done = subprocess.run([binary, "info"], capture_output=True, text=True, timeout=probe_s)
+        except subprocess.TimeoutExpired:
+            reasons.append(f"`{engine} info` hangs")
+            continue
+        if done.returncode == 0:
+            return engine, ""
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        reasons.append(f"`{engine} info` fails: {last}")
+    return None, "; ".join(reasons)
+
+
+def run_checks(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(CHECKS), *args], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.mark.timeout(400)
+def test_smoke_checks_on_the_compose_services_run_locally(
+    stack: dict[str, LocalService],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    gateway = stack["gateway"].url
+    record = tmp_path / "traffic.json"
+    before, after = tmp_path / "before.txt", tmp_path / "after.txt"
+    before.write_text(httpx.get(f"{gateway}/metrics", timeout=10).text)
+
+    # nothing sent to `static` yet: the metrics check names the missing arm
+    done = run_checks(
+        "traffic", "--gateway", gateway, "--record", str(record), "--skip-arm", "static"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "check: chat via arm orca" in done.stdout and "arm static" not in done.stdout
+    after.write_text(httpx.get(f"{gateway}/metrics", timeout=10).text)
+    metrics = ("metrics", "--record", str(record), "--scrape", f"gateway={after}")
+    done = run_checks(*metrics, "--baseline", str(before))
+    assert done.returncode == 1
+    assert "FAIL: arm 'static' is missing from the gateway's /metrics" in done.stderr
+
+    # both arms, pinned and sticky: every check passes, counted from a fresh baseline
+    before.write_text(after.read_text())
+    done = run_checks("traffic", "--gateway", gateway, "--record", str(record))
+    assert done.returncode == 0, done.stderr
+    for arm in ("orca", "static"):
+        assert f"check: chat via arm {arm}" in done.stdout
+        assert f"check: streamed chat via arm {arm}" in done.stdout
+        assert f"(no header) served by arm {arm} 3 times out of 3" in done.stdout
+    after.write_text(httpx.get(f"{gateway}/metrics", timeout=10).text)
+    done = run_checks(*metrics, "--baseline", str(before))
+    assert done.returncode == 0, done.stderr
+    assert "check: gateway /metrics arm static: 5 requests (sent 5)" in done.stdout
+
+    # a count the gateway did not make: the check compares, it does not just look for series
+    sent = json.loads(record.read_text())
+    sent["served"]["orca"] += 1
+    record.write_text(json.dumps(sent))
+    done = run_checks(*metrics, "--baseline", str(before))
+    assert done.returncode == 1
+    assert "grew by 5, but the smoke sent that arm 6 requests" in done.stderr
+
+
+def test_bad_break_knob_is_refused_before_anything_starts() -> None:
+    done = subprocess.run(
+        ["bash", str(SCRIPT)],
+        env={**os.environ, "CAROUSEL_SMOKE_BREAK": "everything", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "CAROUSEL_SMOKE_BREAK=everything" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 120)
+def test_compose_smoke_passes_end_to_end(tmp_path: Path) -> None:
+    engine, why = working_engine()
+    if engine is None:
+        pytest.skip(f"no container engine to run the compose stack with ({why})")
+    project = f"carousel-smoke-pytest-{os.getpid()}"
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "CAROUSEL_SMOKE_ENGINE": engine,
+        "CAROUSEL_SMOKE_PROJECT": project,
+        "CAROUSEL_SMOKE_OUT": str(out),
+        "PYTHON": sys.executable,
+    }
+    done = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
+    )
+    summary = (out / "summary.txt").read_text() if (out / "summary.txt").exists() else ""
+    assert done.returncode == 0, f"{done.stderr[-6000:]}\n--- summary:\n{summary}"
+    for line in (
+        "engine-orca: healthy",
+        "engine-static: healthy",
+        "gateway: healthy",
+        "prometheus: healthy",
+        "check: chat via arm orca",
+        "check: chat via arm static",
+        "check: streamed chat via arm orca",
+        "check: streamed chat via arm static",
+        "(no header) served by arm orca",
+        "(no header) served by arm static",
+        "check: gateway /metrics arm orca",
+        "check: gateway /metrics arm static",
+        "check: prometheus targets up",
+        "check: dashboard",
+        f"teardown: no container, pod, network or volume of project {project} left",
+        "compose smoke: PASS",
+    ):
+        assert line in summary, f"{line!r} missing from the summary:\n{summary}"
+    # nothing of the project is left, as the engine itself sees it
+    label = f"label=com.docker.compose.project={project}"
+    left = subprocess.run(
+        [engine, "ps", "-a", "-q", "--filter", label],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert left.returncode == 0 and not left.stdout.strip(), left.stdout
