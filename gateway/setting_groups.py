@@ -67,7 +67,7 @@ class SchedulerSettings(BaseModel):
 
     scheduler: str = Field(
         "orca",
-        description="batching policy: orca, static, lpm, another registered name, or "
+        description="batching policy: orca, static, lpm, priority, another registered name, or "
         "package.module:ClassName (default: orca)",
     )
     max_num_seqs: int = Field(32, ge=1, description="most sequences in one batch")

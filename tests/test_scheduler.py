@@ -10,7 +10,7 @@ import pytest
 from schedulers.base import AdmissionError, Scheduler, SchedulerConfig
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager
-from schedulers.registry import create_scheduler
+from schedulers.registry import available_schedulers, create_scheduler
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, SequenceStatus, TokenLogprob
 
@@ -243,5 +243,7 @@ def test_abort_frees_blocks_of_running_and_waiting(name: str) -> None:
 
 
 def test_unknown_scheduler_name_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="available: lpm, orca, static"):
+    listed = ", ".join(available_schedulers())
+    assert {"orca", "static", "lpm", "priority"} <= set(available_schedulers())
+    with pytest.raises(ValueError, match=f"unknown scheduler 'fifo'; available: {listed}"):
         make_scheduler("fifo")
