@@ -11,7 +11,9 @@ Per row, in order (vLLM / OpenAI semantics):
      with the last kept one are kept), and one token is drawn by inverting the row's CDF at
      a uniform from the sequence's own CPU `torch.Generator`.
 
-Logprobs (the sampled token's, and the top alternatives when asked) are those of
+Logprobs (the sampled token's, and the top alternatives when asked) are computed only for
+rows whose params ask for them (`logprobs` not None; the others' `logprob` is NaN), and are
+those of
 `log_softmax` of the logits after steps 1-3: after bias and penalties, before temperature,
 top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of `-inf`.
 """
@@ -69,14 +71,22 @@ class Sampler:
             tokens = logits.argmax(dim=-1)  # [B]
         else:
             tokens = self._pick(logits, seqs)
-        log_norm = logits.logsumexp(dim=-1)  # [B]
-        token_logprobs = logits.gather(-1, tokens[:, None]).squeeze(-1) - log_norm  # [B]
-        tops = _top_logprobs(logits, log_norm, params)
+        token_ids = tokens.tolist()
+        logprobs = [math.nan] * len(seqs)
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:  # NOTE: a full-vocab logsumexp costs more than the argmax: only where asked
+            rows = torch.tensor(wanted, device=logits.device) if len(wanted) < len(seqs) else None
+            asked = logits if rows is None else logits[rows]  # [R, V]
+            log_norm = asked.logsumexp(dim=-1)  # [R]
+            picked = tokens if rows is None else tokens[rows]
+            values = asked.gather(-1, picked[:, None]).squeeze(-1) - log_norm  # [R]
+            asked_tops = _top_logprobs(asked, log_norm, [params[i] for i in wanted])
+            for i, value, top in zip(wanted, values.tolist(), asked_tops, strict=True):
+                logprobs[i], tops[i] = value, top
         return [
             TokenLogprob(token_id, logprob, top)
-            for token_id, logprob, top in zip(
-                tokens.tolist(), token_logprobs.tolist(), tops, strict=True
-            )
+            for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True)
         ]
 
     def release(self, seq_id: int) -> None:
