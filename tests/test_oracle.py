@@ -12,17 +12,16 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from backends.torch.attention import available_backends
 from backends.torch.runner import TorchBackend
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
+from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
 from tests.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
 PROMPT_LENGTHS = [3, 41, 9, 70, 1, 24]
 MAX_TOKENS = [12, 5, 20, 8, 16, 10]
 DELAYS_S = [0.0, 0.0, 0.01, 0.02, 0.03, 0.05]
-ATTENTION_BACKENDS = available_backends(torch.device("cpu"))
 
 
 def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -75,14 +74,9 @@ def expected(arch_model: tuple[str, PreTrainedModel]) -> list[list[int]]:
     return [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS, strict=True)]
 
 
-@pytest.fixture(params=ATTENTION_BACKENDS)
-def attention(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def make_backend(
     model: PreTrainedModel,
-    attention: str = "auto",
+    path: EnginePath | None = None,
     max_num_seqs: int = 64,
     max_model_len: int = 128,
 ) -> TorchBackend:
@@ -93,7 +87,7 @@ def make_backend(
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        attention_backend=attention,
+        **(path.kwargs() if path else {}),
     )
 
 
@@ -102,10 +96,10 @@ def test_batched_greedy_equals_hf_generate_alone(
     arch_model: tuple[str, PreTrainedModel],
     expected: list[list[int]],
     scheduler: str,
-    attention: str,
+    engine_path: EnginePath,
 ) -> None:
     _, model = arch_model
-    backend = make_backend(model, attention)
+    backend = make_backend(model, engine_path)
     # NOTE: static waits 20 ms to fill a batch, so the two requests submitted together at
     # t = 0 always share one, however late the engine thread wakes on a loaded machine.
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)
@@ -122,11 +116,11 @@ def test_batched_greedy_equals_hf_generate_alone(
 
 
 def test_chunked_prefill_and_preemption_keep_greedy_outputs(
-    arch_model: tuple[str, PreTrainedModel], expected: list[list[int]], attention: str
+    arch_model: tuple[str, PreTrainedModel], expected: list[list[int]], engine_path: EnginePath
 ) -> None:
     _, model = arch_model
     # KV for one 80-token context (20 blocks), far less than the prompts need together
-    backend = make_backend(model, attention, max_num_seqs=1, max_model_len=80)
+    backend = make_backend(model, engine_path, max_num_seqs=1, max_model_len=80)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True)
     # NOTE: all submitted at once, so they surely compete for the KV (staggered arrivals can
     # finish early ones first on a fast, idle machine, and then nothing is preempted)
@@ -138,10 +132,12 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("scheduler", ["orca", "static"])
-def test_default_model_batched_greedy_equals_hf_generate(scheduler: str, attention: str) -> None:
+def test_default_model_batched_greedy_equals_hf_generate(
+    scheduler: str, engine_path: EnginePath
+) -> None:
     backend = TorchBackend.load(
         "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512,
-        attention_backend=attention,
+        **engine_path.kwargs(),
     )  # fmt: skip
     tokenizer = backend.tokenizer
     questions = [

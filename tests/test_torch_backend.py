@@ -23,13 +23,15 @@ from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
+from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
 from tests.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
 
-def make_backend(model: PreTrainedModel) -> TorchBackend:
+def make_backend(model: PreTrainedModel, path: EnginePath | None = None) -> TorchBackend:
     return TorchBackend(
-        model, tiny_tokenizer(), device="cpu", kv_cache_gb=0.01, block_size=BLOCK_SIZE
-    )
+        model, tiny_tokenizer(), device="cpu", kv_cache_gb=0.01, block_size=BLOCK_SIZE,
+        **(path.kwargs() if path else {}),
+    )  # fmt: skip
 
 
 def make_seq(seq_id: int, num_prompt: int, rng: random.Random, free: list[int]) -> Sequence:
@@ -47,9 +49,11 @@ def reference_logits(model: PreTrainedModel, seq: Sequence, stop: int) -> torch.
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_selective_batching_matches_hf_forward_per_sequence(arch: str) -> None:
+def test_selective_batching_matches_hf_forward_per_sequence(
+    arch: str, engine_path: EnginePath
+) -> None:
     model = tiny_model(arch)
-    backend = make_backend(model)
+    backend = make_backend(model, engine_path)
     rng = random.Random(1)
     free = list(range(backend.kv_cache_spec.num_blocks))
     rng.shuffle(free)

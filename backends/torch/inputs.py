@@ -82,3 +82,16 @@ def build_layout(
         decode_max_blocks=max((blocks_for(ctx_lens[i], block_size) for i in decodes), default=0),
         prefill_indices=tuple(i for i, n in enumerate(q_lens) if n > 1),
     )
+
+
+def warm_up_layout(num_tokens: int, block_size: int, device: torch.device) -> BatchLayout:
+    """One fresh sequence of `num_tokens` tokens in blocks 0, 1, ...: a compiler warm-up.
+
+    NOTE: only before the first request: its K/V land in blocks nobody holds yet, and every
+    slot is written before it is ever read.
+    """
+    num_blocks = blocks_for(num_tokens, block_size)
+    return build_layout(
+        torch.tensor([0, num_tokens]), torch.tensor([num_tokens]), torch.arange(num_tokens),
+        torch.arange(num_blocks)[None], block_size, device,
+    )  # fmt: skip

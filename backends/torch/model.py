@@ -10,6 +10,7 @@ dimension.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from backends.torch import dense, inductor, inputs, ops
 from backends.torch.attention import AUTO, create_backend
 from backends.torch.attention.base import (
     AttentionMetadata,
@@ -108,6 +110,17 @@ class PagedCausalLM:
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
         self.kv_cache = kv_cache
         self.attention = create_backend(attention_backend, kv_cache, self.specs, weight.device)
+        self.compiled = False  # see enable_compiled
+
+    def compilable(self) -> bool:
+        """Whether the compiled layer (dense.py) can run this model here; logs why not."""
+        if not inductor.compiler_available():
+            inductor.log.warning("no C++ compiler for Inductor: the forward runs eager")
+            return False
+        if len({(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.specs}) != 1:
+            inductor.log.warning("layers of different shapes: the forward runs eager")
+            return False
+        return True
 
     @torch.inference_mode()
     def forward(
@@ -122,10 +135,13 @@ class PagedCausalLM:
         hidden = self.embed_tokens(input_ids)  # (N, H)
         cos, sin = self.rotary_emb(hidden, positions[None])  # (1, N, hd) each
         rope = (cos[0, :, None, :], sin[0, :, None, :])  # (N, 1, hd): broadcast over heads
-        for layer_idx, layer in enumerate(self.layers):
-            attn_in = layer.input_layernorm(hidden)
-            hidden = hidden + self._attention(layer_idx, attn_in, rope, meta)
-            hidden = hidden + self._mlp(layer_idx, layer.post_attention_layernorm(hidden))
+        if self.compiled:
+            hidden = self._compiled_layers(hidden, rope, meta)
+        else:
+            for layer_idx, layer in enumerate(self.layers):
+                attn_in = layer.input_layernorm(hidden)
+                hidden = hidden + self._attention(layer_idx, attn_in, rope, meta)
+                hidden = hidden + self._mlp(layer_idx, layer.post_attention_layernorm(hidden))
         last = layout.cu_seqlens_q[1:] - 1  # (B,)
         if logits_indices is not None:
             last = last[logits_indices]
@@ -133,6 +149,60 @@ class PagedCausalLM:
         return self.lm_head_linear(self.norm(hidden[last]))  # (B', V)
 
     __call__ = forward
+
+    def _compiled_layers(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every decoder layer through the one compiled graph (dense.py), weights as inputs."""
+        cos, sin = rope
+        with ops.forward_context(self.attention, meta):
+            for index, weights in zip(self._layer_index, self._layer_weights, strict=True):
+                hidden = dense.compiled_decoder_layer(
+                    hidden, cos, sin, index, weights, self._layer_shape
+                )
+        return hidden
+
+    def enable_compiled(self) -> None:
+        """Route the dense part of every layer through dense.py's compiled graph.
+
+        Registers this model's `Linear`s for `carousel::linear`, then compiles (logged) for
+        one token and for a dynamic token count, so no request waits for the compiler.
+        Called after tensor parallelism or anything else that replaces `self.linears`.
+        """
+        inductor.configure()
+        self._layer_index = [torch.tensor(i) for i in range(len(self.layers))]
+        self._layer_weights = [self._weights_of(i) for i in range(len(self.layers))]
+        spec = self.specs[0]
+        eps = float(self.layers[0].input_layernorm.variance_epsilon)
+        self._layer_shape = dense.LayerShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, eps)
+        self.compiled = True
+        began = time.monotonic()
+        inductor.log.info("compiling the decoder layer (torch.compile, Inductor)")
+        for num_tokens in (1, 2):
+            self._warm_up(num_tokens)
+        inductor.log.info("decoder layer compiled", seconds=round(time.monotonic() - began, 1))
+
+    def _weights_of(self, index: int) -> tuple[torch.Tensor | None, ...]:
+        lin, layer = self.linears[index], self.layers[index]
+        for linear in (lin.qkv, lin.o_proj, lin.gate, lin.up, lin.down):
+            ops.register_linear(linear)
+        attn = layer.self_attn
+        q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
+        k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
+        return (
+            lin.qkv.weight, lin.qkv.bias, lin.o_proj.weight, lin.gate.weight, lin.up.weight,
+            lin.down.weight, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            q_norm, k_norm,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def _warm_up(self, num_tokens: int) -> None:
+        """One compiled forward over `num_tokens` fresh tokens (written to slot 0, block 0)."""
+        device = self.kv_cache.k[0].device
+        batch_layout = inputs.warm_up_layout(num_tokens, self.kv_cache.block_size, device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        self.forward(ids, positions, batch_layout)
 
     def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         lin = self.linears[layer_idx]

@@ -4,21 +4,24 @@ Construct it either from a model reference::
 
     TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
                       kv_cache_fraction=None, block_size=16, max_model_len=None,
-                      max_num_seqs=256, prepack_weights=True, attention_backend="auto")
+                      max_num_seqs=256, prepack_weights=True, attention_backend="auto",
+                      compile=False)
 
 or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
 
     TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
                  kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256,
-                 prepack_weights=True, attention_backend="auto")
+                 prepack_weights=True, attention_backend="auto", compile=False)
 
 `device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
 bf16 on cuda and fp32 on cpu. The model is moved and cast in place. KV sizing: see kv_cache.py
 (`max_num_seqs` only caps the KV cache: it never holds more than that many full contexts).
 `prepack_weights`: on CPU, matmuls with few rows go through oneDNN-prepacked weights (an
 extra copy of the weights; see packed.py); False keeps one copy and plain `F.linear`.
-`attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, ...); `auto`
-picks the fastest available on the device.
+`attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, `inductor_paged`);
+`auto` picks the fastest available on the device. `compile`: the dense part of every decoder
+layer runs through one torch.compile'd graph (dense.py; eager without a C++ compiler).
+Compiled kernels are built here, at construction (logged), never on a request's path.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class TorchBackend(Backend):
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prepack_weights: bool = True,
         attention_backend: str = AUTO,
+        compile: bool = False,
     ) -> None:
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
@@ -113,6 +117,8 @@ class TorchBackend(Backend):
             model, self.kv_cache, prepack=prepack_weights, attention_backend=attention_backend
         )
         self.model.attention.warm_up()
+        if compile and self.model.compilable():
+            self.model.enable_compiled()
         self.sampler = Sampler(config.vocab_size, self.device)
 
     @classmethod
@@ -129,6 +135,7 @@ class TorchBackend(Backend):
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prepack_weights: bool = True,
         attention_backend: str = AUTO,
+        compile: bool = False,
     ) -> TorchBackend:
         """Load `model` (see loader.py for what a reference may be) onto `device`.
 
@@ -151,6 +158,7 @@ class TorchBackend(Backend):
                 max_num_seqs=max_num_seqs,
                 prepack_weights=prepack_weights,
                 attention_backend=attention_backend,
+                compile=compile,
             )
 
         return call_on_own_thread(build, "carousel-load")

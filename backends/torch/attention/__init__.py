@@ -3,8 +3,10 @@
 | name | device | what |
 |---|---|---|
 | `sdpa` | any | reference: SDPA per prefill, one masked SDPA over gathered K/V for decodes |
+| `inductor_paged` | cpu | decodes read K/V in place through one Inductor-compiled kernel |
 
-`auto` picks the best backend available on the device (today: `sdpa`).
+`auto` is `sdpa` on every device: `inductor_paged` measured only a few percent faster end to
+end on the 2-core CPU (docs/benchmarks.md, issue 15), and it costs a compile at start-up.
 A new backend is one module with an `AttentionBackend` subclass plus one line in `_BACKENDS`.
 """
 
@@ -31,6 +33,9 @@ class _Entry:
 
 _BACKENDS = {
     "sdpa": _Entry("backends.torch.attention.sdpa:SDPABackend", ("cpu", "cuda", "mps", "xpu")),
+    "inductor_paged": _Entry(
+        "backends.torch.attention.inductor_paged:InductorPagedBackend", ("cpu",)
+    ),
 }
 
 
@@ -41,7 +46,12 @@ def backend_names() -> list[str]:
 
 def available_backends(device: torch.device) -> list[str]:
     """The registered backends that can run on `device` in this environment."""
-    return [n for n, e in _BACKENDS.items() if device.type in e.devices]
+    from backends.torch import inductor
+
+    names = [n for n, e in _BACKENDS.items() if device.type in e.devices]
+    if not inductor.compiler_available():
+        names = [n for n in names if not n.startswith("inductor")]
+    return names
 
 
 def resolve_name(name: str, device: torch.device) -> str:
