@@ -17,7 +17,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from backends.torch import loader
+from backends.torch import dense, inductor, loader
 from backends.torch.runner import TorchBackend
 from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
@@ -93,6 +93,24 @@ def test_execute_samples_greedily_only_for_sequences_that_complete() -> None:
     want = reference_logits(model, full, 6)
     assert output.sampled[7].token_id == int(want.argmax())
     backend.release(7)
+
+
+@pytest.mark.skipif(not inductor.compiler_available(), reason="no C++ compiler for Inductor")
+def test_a_failing_compiler_leaves_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("the compiler broke")
+
+    monkeypatch.setattr(dense, "compiled_decoder_layer", broken)
+    model = tiny_model("llama")
+    backend = make_backend(model, EnginePath("sdpa", compile=True))
+    assert not backend.model.compiled
+    rng = random.Random(4)
+    seq = make_seq(3, 9, rng, list(range(backend.kv_cache_spec.num_blocks)))
+    batch = Batch(0)
+    batch.add(seq, 9)
+    assert backend.execute(batch).sampled[3].token_id == int(
+        reference_logits(model, seq, 9).argmax()
+    )
 
 
 def test_backend_reports_eos_context_and_kv_capacity() -> None:

@@ -178,8 +178,13 @@ class PagedCausalLM:
         self.compiled = True
         began = time.monotonic()
         inductor.log.info("compiling the decoder layer (torch.compile, Inductor)")
-        for num_tokens in (1, 2):
-            self._warm_up(num_tokens)
+        try:
+            for num_tokens in (1, 2):
+                self._warm_up(num_tokens)
+        except Exception:  # a compiler failure must not keep the server from starting
+            inductor.log.exception("compiling the decoder layer failed; running it eager")
+            self.compiled = False
+            return
         inductor.log.info("decoder layer compiled", seconds=round(time.monotonic() - began, 1))
 
     def _weights_of(self, index: int) -> tuple[torch.Tensor | None, ...]:
