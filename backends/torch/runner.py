@@ -14,8 +14,10 @@ or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokeni
                  prepack_weights=True, attention_backend="auto", compile=False)
 
 `device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
-bf16 on cuda and fp32 on cpu. The model is moved and cast in place. KV sizing: see kv_cache.py
-(`max_num_seqs` only caps the KV cache: it never holds more than that many full contexts).
+bf16 on cuda and on a CPU with AMX or AVX512-BF16, else fp32 (`default_dtype`); a model handed
+in on CPU without a dtype keeps its own. The model is moved and cast in place. KV sizing: see
+kv_cache.py (`max_num_seqs` only caps the KV cache: it never holds more than that many full
+contexts).
 `prepack_weights`: on CPU, matmuls with few rows go through oneDNN-prepacked weights (an
 extra copy of the weights; see packed.py); False keeps one copy and plain `F.linear`.
 `attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, `inductor_paged`);
@@ -50,9 +52,22 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16), not emulated."""
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on cuda and on a CPU with native bf16 (docs/benchmarks.md, issue 15), else fp32."""
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, dtype.removeprefix("torch."), None)
@@ -94,7 +109,9 @@ class TorchBackend(Backend):
     ) -> None:
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        # NOTE: on CPU a model handed in without a dtype keeps its own (loaders already chose)
+        keep = dtype is None and self.device.type == "cpu"
+        self.dtype = model.dtype if keep else resolve_dtype(dtype, self.device)
         # in place, like nn.Module.to; transformers' decorator hides the signature from mypy
         model.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         self.hf_model = model.eval()
