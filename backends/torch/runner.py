@@ -21,7 +21,7 @@ contexts).
 `prepack_weights`: on CPU, matmuls with few rows go through oneDNN-prepacked weights (an
 extra copy of the weights; see packed.py); False keeps one copy and plain `F.linear`.
 `attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, `inductor_paged`);
-`auto` picks the fastest available on the device. `compile`: the dense part of every decoder
+`auto` is `sdpa` (see attention/__init__.py). `compile`: the dense part of every decoder
 layer runs through one torch.compile'd graph (dense.py; eager without a C++ compiler).
 Compiled kernels are built here, at construction (logged), never on a request's path.
 """
