@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from backends.torch import dense, inductor, inputs, ops
+from backends.torch import inductor, inputs
 from backends.torch.attention import AUTO, create_backend
 from backends.torch.attention.base import (
     AttentionMetadata,
@@ -154,6 +154,8 @@ class PagedCausalLM:
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """Every decoder layer through the one compiled graph (dense.py), weights as inputs."""
+        from backends.torch import dense, ops
+
         cos, sin = rope
         with ops.forward_context(self.attention, meta):
             for index, weights in zip(self._layer_index, self._layer_weights, strict=True):
@@ -169,6 +171,10 @@ class PagedCausalLM:
         one token and for a dynamic token count, so no request waits for the compiler.
         Called after tensor parallelism or anything else that replaces `self.linears`.
         """
+        # NOTE: imported only here: importing them imports Dynamo and Inductor, whose threads
+        # an eager server must not carry (backends/torch/device_thread.py)
+        from backends.torch import dense
+
         inductor.configure()
         self._layer_index = [torch.tensor(i) for i in range(len(self.layers))]
         self._layer_weights = [self._weights_of(i) for i in range(len(self.layers))]
@@ -188,6 +194,8 @@ class PagedCausalLM:
         inductor.log.info("decoder layer compiled", seconds=round(time.monotonic() - began, 1))
 
     def _weights_of(self, index: int) -> tuple[torch.Tensor | None, ...]:
+        from backends.torch import ops
+
         lin, layer = self.linears[index], self.layers[index]
         for linear in (lin.qkv, lin.o_proj, lin.gate, lin.up, lin.down):
             ops.register_linear(linear)
