@@ -64,7 +64,7 @@ class CacheSettings(BaseModel):
         None, gt=0, description="KV cache size in GiB (default: planned from the device)"
     )
     enable_prefix_caching: bool = Field(
-        False, description="reuse the KV of full blocks of earlier prompts and outputs"
+        True, description="reuse the KV of full blocks of earlier prompts and outputs"
     )
 
 
@@ -128,6 +128,13 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="413 above this body size")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 and 503 answers")
     sse_ping_s: float = Field(0.0, ge=0, description="SSE keep-alive comment interval (0: off)")
+    responses_store_size: int = Field(
+        1024,
+        ge=1,
+        description="stored Responses API responses (`store: true`) kept for "
+        "previous_response_id and GET, least recently used evicted first; also how many "
+        "response ids' creating arms are remembered (routing GET/DELETE to upstream arms)",
+    )
     disconnect_poll_s: float = Field(
         0.1, gt=0, description="how often a non-streaming request checks for its client"
     )

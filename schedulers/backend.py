@@ -46,6 +46,13 @@ class Backend(abc.ABC):
     eos_token_ids: frozenset[int]
 
     @property
+    def grammar_vocab_size(self) -> int | None:
+        """The vocabulary an output grammar's token bitmask covers (the sampler's logits
+        width); None: this backend cannot constrain its sampling, so it serves no
+        structured outputs."""
+        return None
+
+    @property
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
         """Number and size of KV blocks this backend allocated."""

@@ -174,6 +174,32 @@ class Scheduler(abc.ABC):
         shareable = (seq.num_prompt_tokens - 1) // block_size * block_size
         return leader.num_computed_tokens < shareable
 
+    def waits_for_grammar(self, seq: Sequence) -> bool:
+        """Whether `seq`'s output grammar is still compiling: it is not scheduled until the
+        grammar is ready (the engine never waits on a compile; a failed compile is
+        finished by `fail_grammar_errors`)."""
+        grammar = seq.grammar
+        return grammar is not None and not grammar.is_ready() and grammar.error is None
+
+    def must_wait(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence may not start this step: its grammar is compiling
+        (`waits_for_grammar`) or its leader has not computed the shared prompt yet
+        (`waits_for_leader`). Every policy passes such sequences over."""
+        return self.waits_for_grammar(seq) or self.waits_for_leader(seq)
+
+    def fail_grammar_errors(self) -> list[Sequence]:
+        """Finish (with the compiler's error) the waiting sequences whose grammar failed to
+        compile; return them."""
+        failed = [
+            seq for seq in self.waiting if seq.grammar is not None and seq.grammar.error is not None
+        ]
+        for seq in failed:
+            assert seq.grammar is not None and seq.grammar.error is not None
+            self.waiting.remove(seq)
+            self.finish(seq, FinishReason.ERROR, seq.grammar.error.message)
+            seq.error_code = seq.grammar.error.code.value
+        return failed
+
     def admit(self, seq: Sequence, hit: PrefixHit, num_tokens: int, batch: Batch) -> None:
         """Start `seq` from its cached prefix: THE admission step of every policy.
 
@@ -195,11 +221,14 @@ class Scheduler(abc.ABC):
         """Iteration-level admission (orca, lpm): start `seq` from its longest cached prefix
         and schedule the rest of its tokens (a chunk of them under the token budget when
         chunked prefill is on, or when the batch is still empty). Returns the tokens scheduled,
-        0 when `seq` does not fit this step (then nothing changed).
+        0 when `seq` does not fit this step, or its grammar is still compiling (then nothing
+        changed).
 
         A preempted sequence comes back this way too: its full blocks stayed cached, so it
         recomputes only what was evicted meanwhile.
         """
+        if self.waits_for_grammar(seq):
+            return 0
         hit = self.prefix_hit(seq)
         num_tokens = seq.num_tokens - hit.num_tokens
         if num_tokens > budget:
@@ -245,15 +274,28 @@ class Scheduler(abc.ABC):
             seq.output_logprobs.append(sampled)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self.stop_reason(seq)
+            error = self._advance_grammar(seq, sampled.token_id)
+            reason = FinishReason.ERROR if error is not None else self.stop_reason(seq)
             if reason is not None:
                 self.running.remove(seq)
-                self.finish(seq, reason)
+                self.finish(seq, reason, error)
                 finished.append(seq)
         return finished
 
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token_id: int) -> str | None:
+        """Advance `seq`'s grammar by its sampled token; the error when the grammar forbids
+        it (the sampler's mask makes that impossible unless a backend ignored the mask)."""
+        if seq.grammar is None or seq.grammar.accept(token_id):
+            return None
+        return f"the sampled token {token_id} is not allowed by the request's output grammar"
+
     def stop_reason(self, seq: Sequence) -> FinishReason | None:
-        """Token-level stop checks: EOS, stop token ids, max_tokens, context window."""
+        """Token-level stop checks: the grammar terminated (after its last token, a stop
+        token was accepted; whatever `ignore_eos` says), EOS, stop token ids, max_tokens,
+        context window."""
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return FinishReason.STOP
         params = seq.sampling_params
         last = seq.output_token_ids[-1]
         if not params.ignore_eos and last in seq.eos_token_ids:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ from schedulers.outputs import IterationRecord, RequestOutput
 from schedulers.registry import create_scheduler
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import FinishReason, Sequence
+from schedulers.structured_output.compiler import GrammarCompiler
+from schedulers.structured_output.matcher import SequenceGrammar
+from schedulers.structured_output.spec import GrammarLimits
 
 try:  # NOTE: the engine path runs without the HTTP layer's packages (scripts/gpu-check.sh)
     import structlog
@@ -72,6 +76,7 @@ class Engine:
         policy_options: Mapping[str, Any] | None = None,
         name: str = "default",
         trace_capacity: int = 4096,
+        grammar_limits: GrammarLimits | None = None,
     ) -> None:
         config = config or SchedulerConfig()
         # NOTE: the one place the served context window is decided: what was asked, capped
@@ -104,6 +109,9 @@ class Engine:
         self._num_queued_seqs = 0
         self._seq_ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._grammar_limits = grammar_limits
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -123,6 +131,31 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._fail_all("the engine shut down before the request finished")
+        with self._grammar_lock:
+            if self._grammar_compiler is not None:
+                self._grammar_compiler.close()
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """The compiler of this engine's output grammars (structured outputs, tool calls),
+        built on first use from the backend's tokenizer, logits width and EOS ids; None when
+        the backend cannot constrain its sampling (`Backend.grammar_vocab_size` is None).
+
+        Callers compile a `GrammarSpec` with `submit(spec)` (a future, never blocking) and
+        pass the result, or the future itself, as `SamplingParams.grammar`.
+        """
+        vocab_size = self.backend.grammar_vocab_size
+        if vocab_size is None:
+            return None
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.backend.tokenizer,
+                    vocab_size=vocab_size,
+                    stop_token_ids=self.backend.eos_token_ids,
+                    limits=self._grammar_limits,
+                )
+            return self._grammar_compiler
 
     @property
     def is_alive(self) -> bool:
@@ -147,15 +180,25 @@ class Engine:
         """Queue a request; `sink` is called on the engine thread with every output.
 
         `priority` (lower runs first) is read by policies that order by it (`priority`).
-        Raises AdmissionError at once when the request can never fit and EngineDeadError
+        `params.grammar` (a compiled grammar or the compiler's future of one) constrains
+        each choice; a choice is not scheduled before its grammar is ready.
+        Raises AdmissionError at once when the request can never fit (or asks for a grammar
+        this backend cannot enforce: `structured_outputs_unsupported`) and EngineDeadError
         when the loop is not running.
         """
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if not prompt_token_ids:
             raise AdmissionError("the prompt is empty", code="invalid_prompt")
+        if params.grammar is not None and self.backend.grammar_vocab_size is None:
+            raise AdmissionError(
+                "this model's backend cannot constrain its output to a grammar",
+                code="structured_outputs_unsupported",
+            )
         seqs = self._make_seqs(request_id, prompt_token_ids, params, priority)
         self.scheduler.check_admissible(seqs[0])
+        if isinstance(params.grammar, Future):  # NOTE: the loop may sleep until it compiles
+            params.grammar.add_done_callback(lambda _: self._wake.set())
         self._command("add", _Request(request_id, seqs, sink))
 
     def abort(self, request_id: str) -> None:
@@ -195,6 +238,7 @@ class Engine:
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             seq_params = dataclasses.replace(params, seed=seed, n=1)
+            grammar = None if params.grammar is None else SequenceGrammar(params.grammar)
             seqs.append(
                 Sequence(
                     seq_id=next(self._seq_ids),
@@ -205,6 +249,7 @@ class Engine:
                     eos_token_ids=self.backend.eos_token_ids,
                     priority=priority,
                     leader=seqs[0] if seqs else None,
+                    grammar=grammar,
                 )
             )
         return seqs
@@ -215,6 +260,7 @@ class Engine:
                 self._wake.clear()
                 self._drain_commands()
                 self._expire_waiting()
+                self._fail_grammar_errors()
                 if not self.scheduler.has_work:
                     self._wake.wait()
                     continue
@@ -250,10 +296,18 @@ class Engine:
 
     def _expire_waiting(self) -> None:
         """End the requests that waited longer than `max_queue_wait_s` (queue_timeout)."""
-        for seq in self.scheduler.expire_waiting(time.monotonic()):
-            request = self._requests.get(seq.request_id)
-            if request is not None:
-                self._emit(request, seq, [], final=True)
+        self._emit_finished(self.scheduler.expire_waiting(time.monotonic()))
+
+    def _fail_grammar_errors(self) -> None:
+        """End the sequences whose grammar failed to compile (with the compiler's message)."""
+        self._emit_finished(self.scheduler.fail_grammar_errors())
+
+    def _emit_finished(self, seqs: list[Sequence]) -> None:
+        """Send the last output of each of `seqs`, which the scheduler just finished."""
+        # NOTE: look requests up first: emitting a request's last choice forgets the request.
+        emits = [(request, seq) for seq in seqs if (request := self._requests.get(seq.request_id))]
+        for request, seq in emits:
+            self._emit(request, seq, [], final=True)
 
     def _add(self, request: _Request) -> None:
         if request.request_id in self._requests:

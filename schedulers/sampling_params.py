@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from schedulers.structured_output import CompiledGrammar, GrammarError
 
 MAX_LOGPROBS = 20
+
+#: what `SamplingParams.grammar` holds: a compiled grammar, or the compiler's future of one
+GrammarHandle: TypeAlias = "CompiledGrammar | Future[CompiledGrammar | GrammarError]"
 
 
 @dataclass(frozen=True)
@@ -15,6 +24,14 @@ class SamplingParams:
     `logprobs` is None for no logprobs, else the number of top alternatives (0..20) returned
     beside the sampled token's own logprob. `seed` makes a request's samples reproducible
     whatever its batch mates are.
+
+    `grammar` constrains the output (structured outputs, tool calls;
+    docs/structured-outputs.md): a `CompiledGrammar` from the arm's `GrammarCompiler`, or
+    that compiler's future of one. The engine gives each sequence its own matcher over it
+    (n > 1: one per choice); a sequence whose grammar is still compiling is not scheduled
+    yet, and one whose compile failed finishes with that error. The gateway awaits the
+    compile itself (so a bad grammar is a 400 before anything is queued) and hands over
+    the compiled grammar.
     """
 
     max_tokens: int = 16
@@ -32,6 +49,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    grammar: GrammarHandle | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = list(self.problems())

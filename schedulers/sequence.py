@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from schedulers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from schedulers.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -68,6 +72,9 @@ class Sequence:
     #: choice 0 of the same request when this is a later choice of an `n > 1` request: with
     #: prefix caching on, this choice starts only once its leader has cached the prompt
     leader: Sequence | None = field(default=None, repr=False)
+    #: the matcher of this sequence's output grammar (None: unconstrained); it always stands
+    #: at the end of `output_token_ids` (the scheduler advances it with each sampled token)
+    grammar: SequenceGrammar | None = field(default=None, repr=False)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -6,8 +6,10 @@ and decodes share iterations, and under `static` later arrivals wait for the nex
 
 from __future__ import annotations
 
+import json
 import random
 
+import jsonschema
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -16,6 +18,7 @@ from backends.torch.runner import TorchBackend
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
+from schedulers.structured_output import CompiledGrammar, GrammarSpec
 from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
 from tests.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
@@ -170,3 +173,76 @@ def test_default_model_batched_greedy_equals_hf_generate(
         gens = llm.generate(prompts_, params, delays_s=[0.0, 0.05, 0.1, 0.3])
     assert [g.choices[0].token_ids for g in gens] == expected_
     assert gens[0].choices[0].text.startswith("The capital of France is Paris.")
+
+
+#: what the constrained batch mates write: a small JSON object
+MATE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["ok", "n"],
+}
+
+
+def with_constrained_mates(
+    llm: LLM, prompts_: list[list[int]], params: list[SamplingParams], delays_s: list[float]
+) -> tuple[list[list[int]], list[str]]:
+    """Run `prompts_` greedily with a JSON-constrained request at temperature 1 submitted
+    beside each; the free outputs' token ids and the constrained outputs' texts."""
+    compiler = llm.engine.grammar_compiler
+    assert compiler is not None
+    grammar = compiler.submit(GrammarSpec.json_schema(MATE_SCHEMA)).result(timeout=60)
+    assert isinstance(grammar, CompiledGrammar), grammar
+    mates = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=i, grammar=grammar)
+        for i in range(len(prompts_))
+    ]
+    gens = llm.generate([*prompts_, *prompts_], [*params, *mates], delays_s=[*delays_s, *delays_s])
+    free, constrained = gens[: len(prompts_)], gens[len(prompts_) :]
+    return [g.choices[0].token_ids for g in free], [g.choices[0].text for g in constrained]
+
+
+@pytest.mark.parametrize("scheduler", ["orca", "static"])
+def test_greedy_outputs_unchanged_beside_constrained_requests(
+    arch_model: tuple[str, PreTrainedModel], expected: list[list[int]], scheduler: str
+) -> None:
+    _, model = arch_model
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    with LLM(make_backend(model), scheduler, config, {"batch_wait_ms": 20}) as llm:
+        outputs, texts = with_constrained_mates(llm, prompts(), params, DELAYS_S)
+        assert outputs == expected
+        for text in texts:  # the mates were constrained (and shared batches with the others)
+            jsonschema.validate(json.loads(text), MATE_SCHEMA)
+        assert any(r.batch_size > 1 for r in llm.engine.trace)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.real_model
+def test_default_model_greedy_unchanged_beside_constrained_requests() -> None:
+    backend = TorchBackend.load(
+        "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512
+    )
+    tokenizer = backend.tokenizer
+    questions = ["What is the capital of France?", "Name a prime number.", "Hi"]
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        for q in questions
+    ]
+    prompts_ = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in rendered]
+    max_tokens = [12, 10, 8]
+    expected_ = [
+        hf_greedy(backend.hf_model, p, m) for p, m in zip(prompts_, max_tokens, strict=True)
+    ]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=512)
+    with LLM(backend, "orca", config) as llm:
+        outputs, texts = with_constrained_mates(llm, prompts_, params, [0.0, 0.05, 0.1])
+    assert outputs == expected_
+    for text in texts:
+        jsonschema.validate(json.loads(text), MATE_SCHEMA)

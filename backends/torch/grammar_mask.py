@@ -21,11 +21,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from schedulers.structured_output import SequenceGrammar
+
 BITS_PER_WORD = 32
+
+
+class GrammarMask:
+    """The sampler's grammar step: fills one bitmask row per constrained sequence and applies
+    them to those rows only.
+
+    The bitmask is allocated once, on first use, for `max_rows` rows (the most sequences a
+    step samples; a larger batch grows it once) and reused by every step after.
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self._bitmask: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, grammars: Sequence[SequenceGrammar | None]) -> None:
+        """Mask, in place, row i of `logits` [B, V] by `grammars[i]` (None: left as is)."""
+        rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
+        if not rows:
+            return
+        bitmask = self._bitmask
+        if bitmask is None or bitmask.shape[0] < len(rows):
+            bitmask = allocate_bitmask(max(self.max_rows, len(rows)), self.vocab_size)
+            self._bitmask = bitmask
+        for i, row in enumerate(rows):
+            grammar = grammars[row]
+            assert grammar is not None
+            grammar.fill_bitmask(bitmask, i)
+        apply_grammar_bitmask(logits, rows, bitmask, self.vocab_size)
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:

@@ -136,7 +136,7 @@ class TorchBackend(Backend):
         self.model.attention.warm_up()
         if compile and self.model.compilable():
             self.model.enable_compiled()
-        self.sampler = Sampler(config.vocab_size, self.device)
+        self.sampler = Sampler(config.vocab_size, self.device, max_num_seqs)
 
     @classmethod
     def load(
@@ -183,6 +183,10 @@ class TorchBackend(Backend):
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         """KV blocks to allocate (tensor parallelism overrides it with the ranks' agreed count)."""
         return plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
+
+    @property
+    def grammar_vocab_size(self) -> int:
+        return self.sampler.vocab_size
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -6,6 +6,8 @@ Per row, in order (vLLM / OpenAI semantics):
      by it, negative ones multiplied;
   3. `presence_penalty` and `frequency_penalty` (OpenAI) over output tokens:
      `logit -= presence * (count > 0) + frequency * count`;
+  3b. a constrained sequence's grammar masks the tokens it forbids (-inf; grammar_mask.py),
+     only in that sequence's row;
   4. `temperature == 0` (below 1e-5, as in vLLM) takes the argmax; otherwise the logits are
      divided by the temperature, then `top_k`, `top_p` and `min_p` mask tokens (logits tied
      with the last kept one are kept), and one token is drawn by inverting the row's CDF at
@@ -13,9 +15,9 @@ Per row, in order (vLLM / OpenAI semantics):
 
 Logprobs (the sampled token's, and the top alternatives when asked) are computed only for
 rows whose params ask for them (`logprobs` not None; the others' `logprob` is NaN), and are
-those of
-`log_softmax` of the logits after steps 1-3: after bias and penalties, before temperature,
-top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of `-inf`.
+those of `log_softmax` of the logits after steps 1-3b: after bias, penalties and the grammar,
+before temperature, top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of
+`-inf`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import secrets
 
 import torch
 
+from backends.torch.grammar_mask import GrammarMask
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
 
@@ -47,13 +50,16 @@ class Sampler:
     lives until `release(seq_id)`. Generators stay on the CPU whatever `device` is: one draw
     per sampled row, sent to the device in one copy, and the same seed gives the same
     uniforms on every device. A row's sample depends only on its logits, its params and its
-    generator, never on its batch mates.
+    generator, never on its batch mates. A constrained sequence (`seq.grammar`) has its row
+    masked by its grammar (grammar_mask.py, one bitmask for `max_num_seqs` rows); a batch
+    without one skips that step entirely.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, max_num_seqs: int = 256) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._generators: dict[int, torch.Generator] = {}
+        self._grammar_mask = GrammarMask(vocab_size, max_rows=max_num_seqs)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob]:
         """Sample one token for each sequence from `logits` [B, V], row i for `seqs[i]`."""
@@ -67,6 +73,8 @@ class Sampler:
             logits = logits.clone()
             _apply_logit_bias(logits, params)
             _apply_penalties(logits, seqs)
+        if any(seq.grammar is not None for seq in seqs):  # NOTE: other rows stay untouched
+            self._grammar_mask(logits, [seq.grammar for seq in seqs])
         if all(_is_greedy(p) for p in params):
             tokens = logits.argmax(dim=-1)  # [B]
         else:
@@ -75,13 +83,15 @@ class Sampler:
         logprobs = [math.nan] * len(seqs)
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if wanted:  # NOTE: a full-vocab logsumexp costs more than the argmax: only where asked
+        if wanted:  # NOTE: a full-vocab log_softmax costs more than the argmax: only where asked
             rows = torch.tensor(wanted, device=logits.device) if len(wanted) < len(seqs) else None
             asked = logits if rows is None else logits[rows]  # [R, V]
-            log_norm = asked.logsumexp(dim=-1)  # [R]
+            # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
+            # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks.md)
+            log_probs = asked.log_softmax(dim=-1)  # [R, V]
             picked = tokens if rows is None else tokens[rows]
-            values = asked.gather(-1, picked[:, None]).squeeze(-1) - log_norm  # [R]
-            asked_tops = _top_logprobs(asked, log_norm, [params[i] for i in wanted])
+            values = log_probs.gather(-1, picked[:, None]).squeeze(-1)  # [R]
+            asked_tops = _top_logprobs(log_probs, [params[i] for i in wanted])
             for i, value, top in zip(wanted, values.tolist(), asked_tops, strict=True):
                 logprobs[i], tops[i] = value, top
         return [
@@ -283,7 +293,7 @@ def _min_p_floor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 
 def _top_logprobs(
-    logits: torch.Tensor, log_norm: torch.Tensor, params: list[SamplingParams]
+    log_probs: torch.Tensor, params: list[SamplingParams]
 ) -> list[list[tuple[int, float]]]:
     """For each row, its `logprobs` most likely (id, logprob) pairs, descending; [] if none."""
     wanted = [p.logprobs or 0 for p in params]
@@ -291,10 +301,9 @@ def _top_logprobs(
     rows = [i for i, n in enumerate(wanted) if n > 0]
     if not rows:
         return tops
-    row_index = torch.tensor(rows, device=logits.device)
-    k = min(max(wanted), logits.shape[-1])
-    values, ids = logits[row_index].topk(k, dim=-1)  # [R, k], sorted descending
-    values = values - log_norm[row_index][:, None]
+    row_index = torch.tensor(rows, device=log_probs.device)
+    k = min(max(wanted), log_probs.shape[-1])
+    values, ids = log_probs[row_index].topk(k, dim=-1)  # [R, k], sorted descending
     for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
         n = wanted[row]
         tops[row] = list(zip(row_ids[:n], row_values[:n], strict=True))

@@ -73,7 +73,8 @@ class LpmScheduler(OrcaScheduler):
         """Starving sequences first (queue order), then by cached prefix, longest first."""
         head = list(itertools.islice(self.waiting, LOOKAHEAD))
         rest = list(itertools.islice(self.waiting, LOOKAHEAD, None))
-        ready = [seq for seq in head if not self.waits_for_leader(seq)]
+        rest = [seq for seq in rest if not self.waits_for_grammar(seq)]
+        ready = [seq for seq in head if not self.must_wait(seq)]
         limit = self.options.max_skips
         starving = [s for s in ready if self._skips.get(s.seq_id, 0) >= limit]
         others = [s for s in ready if self._skips.get(s.seq_id, 0) < limit]
@@ -87,7 +88,7 @@ class LpmScheduler(OrcaScheduler):
         for seq in self.waiting:
             count = self._skips.get(seq.seq_id, 0)
             if position.get(seq.seq_id, last_admitted) < last_admitted:
-                count += not self.waits_for_leader(seq)
+                count += not self.must_wait(seq)
             if count:
                 skips[seq.seq_id] = count
         self._skips = skips

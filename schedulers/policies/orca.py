@@ -47,12 +47,12 @@ class OrcaScheduler(Scheduler):
         return budget
 
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
-        """Admit in queue order (FCFS) until one does not fit; choices waiting for their
-        leader's prompt are passed over."""
+        """Admit in queue order (FCFS) until one does not fit; sequences whose grammar is
+        compiling, and choices waiting for their leader's prompt, are passed over."""
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            if self.waits_for_leader(seq):
+            if self.must_wait(seq):
                 continue
             num_tokens = self.admit_for_step(seq, budget, batch)
             if not num_tokens:

@@ -71,7 +71,7 @@ class PriorityScheduler(OrcaScheduler):
     def _make_room(self, batch: Batch, now: float) -> None:
         """While the most urgent waiting sequence lacks a seat or KV blocks, preempt the least
         urgent running one, if it is less urgent (orca admits the waiting one next step)."""
-        candidate = next((s for s in self.waiting if not self.waits_for_leader(s)), None)
+        candidate = next((s for s in self.waiting if not self.must_wait(s)), None)
         if candidate is None:
             return
         while self.running:

@@ -34,7 +34,8 @@ class StaticScheduler(Scheduler):
     `batch_wait_ms` after the oldest arrived for it to fill. Formation reserves each
     member's worst case (prompt + max_tokens) in KV blocks, as the baseline systems do, so a
     running batch never runs out; with prefix caching on, a member starts from its cached
-    prefix at formation and its reservation leaves out the blocks it shares. The members'
+    prefix at formation and its reservation leaves out the blocks it shares. A request whose
+    output grammar is still compiling is passed over (it joins a later batch). The members'
     prompts are prefilled together, spread over as many iterations as the token budget needs.
     Nobody joins meanwhile; a member that finishes early returns at once and its seat stays
     empty until the whole batch is done. The later choices of an `n > 1` request start once
@@ -85,15 +86,18 @@ class StaticScheduler(Scheduler):
         counts on). A reservation counts only the blocks a member does not share."""
         bm = self.block_manager
         free_blocks = bm.num_free_blocks
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if self.waits_for_grammar(seq):  # it joins a later batch, once compiled
+                continue
             follows = self.waits_for_leader(seq)
             hit = NO_HIT if follows else self.prefix_hit(seq)
             reserve = bm.num_new_blocks(seq, seq.max_total_tokens, hit)
             if self.running and reserve > free_blocks:
                 break
             if follows:  # NOTE: reserved in full; it starts from its leader's blocks later
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 self._followers.append(seq)

@@ -98,7 +98,7 @@ class TensorParallelBackend(TorchBackend):
         )
         parallelize(self.model, plan)
         # NOTE: the HF config holds the local sizes; the sampler sees the gathered vocabulary
-        self.sampler = Sampler(plan.dims.vocab_size, self.device)
+        self.sampler = Sampler(plan.dims.vocab_size, self.device, spec.max_num_seqs)
 
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         return self._num_blocks
