@@ -169,7 +169,8 @@ class PagedCausalLM:
 
         Registers this model's `Linear`s for `carousel::linear`, then compiles (logged) for
         one token and for a dynamic token count, so no request waits for the compiler.
-        Called after tensor parallelism or anything else that replaces `self.linears`.
+        NOTE: the graph calls the `Linear`s registered here, so a model whose `self.linears`
+        are replaced later (tensor parallelism's row-parallel ones) must stay eager.
         """
         # NOTE: imported only here: importing them imports Dynamo and Inductor, whose threads
         # an eager server must not carry (backends/torch/device_thread.py)
@@ -210,7 +211,8 @@ class PagedCausalLM:
 
     @torch.inference_mode()
     def _warm_up(self, num_tokens: int) -> None:
-        """One compiled forward over `num_tokens` fresh tokens (written to slot 0, block 0)."""
+        """One compiled forward over `num_tokens` fresh tokens, written to the first blocks
+        (before the first request: nobody holds them yet, see `inputs.warm_up_layout`)."""
         device = self.kv_cache.k[0].device
         batch_layout = inputs.warm_up_layout(num_tokens, self.kv_cache.block_size, device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
