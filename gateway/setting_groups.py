@@ -45,6 +45,12 @@ class ModelSettings(BaseModel):
     prepack_weights: bool = Field(
         True, description="CPU: a oneDNN-prepacked weight copy for decode-sized matmuls"
     )
+    attention_backend: str = Field(
+        "auto", description="attention kernels: auto, sdpa, inductor_paged (see the quickstart)"
+    )
+    compile: bool = Field(
+        False, description="torch.compile the dense part of each layer at start-up (C++ compiler)"
+    )
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
     sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")
