@@ -43,6 +43,7 @@ from gateway.middleware import (
     DrainMiddleware,
     RequestIdMiddleware,
 )
+from gateway.response_store import ResponseStore
 from gateway.routes import router
 from gateway.settings import Settings
 from gateway.traffic_record import TrafficRecorder
@@ -61,6 +62,8 @@ class GatewayState:
     load_failed: bool = False
     #: the traffic record (`--record-traffic`), None when off
     recorder: TrafficRecorder | None = None
+    #: stored Responses API responses (`previous_response_id`, GET/DELETE /v1/responses/{id})
+    response_store: ResponseStore = field(default_factory=ResponseStore)
     admission: Admission = field(default_factory=Admission)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -159,7 +162,13 @@ def create_app(
     served = Deployments(deployments or [deployment_from_settings(settings)])
     app = FastAPI(title="Carousel", version=carousel_version(), lifespan=_lifespan)
     metrics = GatewayMetrics(served.gauges, served.infos)
-    state = GatewayState(settings, served, metrics, recorder=traffic_recorder(settings))
+    state = GatewayState(
+        settings,
+        served,
+        metrics,
+        recorder=traffic_recorder(settings),
+        response_store=ResponseStore(settings.responses_store_size),
+    )
     if state.recorder is not None:
         recorder = state.recorder
         metrics.watch_traffic_record(lambda: (recorder.written, recorder.dropped))

@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 
 from gateway.metrics import GatewayMetrics
+from gateway.response_store import ResponseStore
 from gateway.traffic_record import TrafficEntry, TrafficRecorder
 
 log = structlog.get_logger("carousel.gateway")
@@ -60,10 +61,19 @@ class RequestContext:
     #: the traffic record, and the path its lines name (None: not recorded)
     recorder: TrafficRecorder | None = None
     path: str = ""
+    #: where the Responses API keeps `store: true` responses (None: nothing is stored, and
+    #: no `previous_response_id` is found: shadow copies)
+    response_store: ResponseStore | None = None
     _done: bool = False
 
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
+
+    def remember_response(self, response_id: str) -> None:
+        """Note that this request's arm created `response_id` (GET, DELETE and
+        `previous_response_id` are routed to it); nothing without a store."""
+        if self.response_store is not None and self.arm is not None:
+            self.response_store.remember_owner(response_id, self.model, self.arm)
 
     def accept(self) -> None:
         """The arm took the request (it is queued, or its upstream answered): run

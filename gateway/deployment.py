@@ -66,6 +66,15 @@ class Arm(abc.ABC):
     async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
         """Serve one request of `endpoint` (`request` is its validated request model)."""
 
+    async def lookup(
+        self, method: str, path: str, params: dict[str, str], model: str
+    ) -> dict[str, Any] | None:
+        """A GET or DELETE of an object the arm's server stores (`path` under /v1, e.g.
+        /responses/{id}), answered with `model` as the served name; an APIError (a 404 when
+        it is not there). None: the arm keeps no objects of its own (a local arm, whose
+        responses are in the gateway's store)."""
+        return None
+
     def bind_metrics(self, metrics: GatewayMetrics, model: str) -> None:  # noqa: B027
         """Called once before `start`: where the arm reports engine-level series."""
 

@@ -87,6 +87,11 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """404 invalid_request_error naming `param` (an unknown stored object)."""
+    return APIError(404, message, INVALID_REQUEST, param, code)
+
+
 def unavailable(message: str, retry_after_s: int, code: str = "service_unavailable") -> APIError:
     """503 with Retry-After: the model is still loading or its engine has stopped."""
     return APIError(503, message, SERVER_ERROR, None, code, {"Retry-After": str(retry_after_s)})

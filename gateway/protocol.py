@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI wire format: requests in, bodies and stream chunks out.
 
 Requests allow unknown fields (they land in `model_extra`, are logged and ignored, as vLLM
-does). Fields we know but do not implement (tools, response_format, ...) are declared so
+does). Fields we know but do not implement (functions, audio, ...) are declared so
 that `unsupported_fields` can refuse them by name instead of silently dropping them.
 Range checks and size limits live here (Field constraints and field validators) so pydantic
 names the param; cross-field rules are in `check_*` functions (raising `errors.invalid`).
@@ -92,6 +92,10 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     #: lower runs first under the `priority` policy (vLLM's field); other policies ignore it
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    #: constrained decoding as vLLM spells it (`json`, `regex`, `choice`, `grammar`, ...)
+    structured_outputs: Any = None
+    #: `{"type": "text" | "json_object" | "json_schema", ...}` (docs/structured-outputs.md)
+    response_format: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -127,17 +131,17 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # known, not implemented: refused by name when set to anything meaningful
+    #: function tools and the choice among them (validated in gateway/tool_calls.py)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # known, not implemented: refused by name when set to anything meaningful
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
     web_search_options: Any = None
-    parallel_tool_calls: bool | None = None  # harmless without tools: ignored
 
     @property
     def completion_budget(self) -> int | None:
@@ -208,9 +212,19 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """`content` is None when the model only called tools (`tool_calls` then set)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str = ""
+    content: str | None = ""
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body: dict[str, Any] = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -235,6 +249,8 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    #: `ToolCallDelta.as_openai()` entries
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

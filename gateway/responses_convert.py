@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.problems import ParamProblem
-from gateway.protocol_responses import ResponseObject, ResponsesRequest
+from gateway.protocol_responses import ResponseObject, ResponsesRequest, new_id
 from gateway.response_format import grammar_for_text_format
 from schedulers.structured_output import GrammarSpec
 
@@ -28,6 +28,9 @@ _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _BUILT_IN_CHOICES = ("file_search", "web_search", "web_search_preview", "computer_use_preview",
                      "code_interpreter", "image_generation", "mcp", "custom")  # fmt: skip
+
+#: the id prefix OpenAI gives each kind of stored item
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,17 @@ def conversation_after(
     input_items: Sequence[Mapping[str, Any]],
     response: ResponseObject,
 ) -> list[dict[str, Any]]:
-    """The conversation through `response`: what `previous_response_id` continues from."""
+    """The conversation through `response`: what `previous_response_id` continues from.
+    Input items without an `id` get one (`GET /v1/responses/{id}/input_items` pages by it)."""
     output = [item.model_dump() for item in response.output]
-    return [*map(dict, history), *map(dict, input_items), *output]
+    return [*map(dict, history), *map(_with_id, input_items), *output]
+
+
+def _with_id(item: Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(item.get("id"), str):
+        return dict(item)
+    prefix = _ID_PREFIXES.get(str(item.get("type", "message")), "item")
+    return {"id": new_id(prefix), **item}
 
 
 def items_to_messages(

@@ -17,11 +17,13 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import carousel_version
 from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
+from gateway.deployment import Deployment
 from gateway.endpoint import Endpoint
 from gateway.endpoints import ENDPOINTS
 from gateway.errors import APIError, error_body, from_validation_error, invalid
 from gateway.metrics import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
+from gateway.routes_responses import stored_responses
 from gateway.routing import ARM_HEADER
 from gateway.streaming import SSEResponse
 
@@ -71,13 +73,14 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         log_prompts=state.settings.log_prompts,
         recorder=state.recorder,
         path=endpoint.path,
+        response_store=state.response_store,
     )
     try:
         body = await read_json(request)
         parsed = parse(endpoint.request_model, body)
         ctx.model, ctx.stream, ctx.raw_body = parsed.model, bool(parsed.stream), body
         deployment = state.deployments.get(parsed.model)
-        requested = request.headers.get(ARM_HEADER)
+        requested = request.headers.get(ARM_HEADER) or _owner_arm(state, deployment, parsed)
         arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
         if deployment.mirrors and not arm.shadow:
             ctx.on_accepted = lambda: deployment.mirror(endpoint, body, ctx)
@@ -102,6 +105,17 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
     response = SSEResponse(reply, ctx.finish, ping_s=ping_s, stream_format=endpoint.stream_format)
     response.headers.update(headers)
     return response
+
+
+def _owner_arm(state: GatewayState, deployment: Deployment, request: BaseModel) -> str | None:
+    """The arm that created the response a request continues (`previous_response_id`), when
+    it serves this deployment: the conversation is there (an upstream's own store) and stays
+    on one arm of an A/B split."""
+    previous = getattr(request, "previous_response_id", None)
+    owner = state.response_store.owner(previous) if isinstance(previous, str) else None
+    if owner is None or owner.model != deployment.name:
+        return None
+    return owner.arm if any(arm.name == owner.arm for arm in deployment.arms) else None
 
 
 def _route(endpoint: Endpoint) -> Any:
@@ -193,4 +207,5 @@ async def version() -> dict[str, str]:
 
 
 router.include_router(v1)
+router.include_router(stored_responses)
 router.include_router(debug)

@@ -1,21 +1,26 @@
 """The one local pipeline every endpoint shares: preprocess -> generate -> build.
 
-    check fields -> prompts (token ids) -> context budget -> SamplingParams -> engine
+    check fields -> output plan (tools, grammar; its compile starts) -> prompts (token ids)
+    -> context budget -> SamplingParams (+ the compiled grammar, awaited) -> engine
     stream -> (stream) chunk payloads | (non-stream) collect -> response body
 
-An endpoint supplies only what differs: how its request becomes prompts and parameters
-(`prompts`, `requested_max_tokens`, `logprobs`) and how outputs become its wire shapes
-(`body`, `chunks`). Chat, completions and responses are subclasses of `LocalEndpoint`.
+An endpoint supplies only what differs: how its request becomes a plan, prompts and
+parameters (`plan`, `prompts`, `requested_max_tokens`, `logprobs`) and how outputs become
+its wire shapes (`body`, `chunks`). Chat, completions and responses are subclasses of
+`LocalEndpoint`. A grammar that cannot be served is a 400 (503 when the compiler is busy)
+before anything is queued (gateway/output_plan.py).
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any, Generic, TypeVar
 
 from gateway.context import RequestContext
 from gateway.endpoint import Reply
+from gateway.output_plan import OutputPlan, finish_compile, start_compile
 from gateway.serving_common import (
     ChoiceResult,
     EngineRuntime,
@@ -44,27 +49,39 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         self.check(request)
         check_stream_options(request)
         ctx.scheduler = runtime.scheduler
-        prompts = await self.prompts(runtime, request, ctx)
+        plan = await self.plan(runtime, request, ctx)
+        pending = start_compile(runtime.grammar_compiler, plan)
+        prompts = await self.prompts(runtime, request, ctx, plan)
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         requested, requested_param = self.requested_max_tokens(request)
         longest = max(len(p) for p in prompts)
         max_tokens = context_budget(requested, requested_param, longest, runtime, self.prompt_param)
         params = self.sampling_params(runtime, request, max_tokens)
+        grammar = await finish_compile(pending, plan, runtime.options.retry_after_s)
+        if grammar is not None:
+            params = dataclasses.replace(params, grammar=grammar)
         priority = getattr(request, "priority", 0)
         stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
         ctx.accept()
         if request.stream:
-            chunks = self.chunks(runtime, request, ctx, prompts, stream)
+            chunks = self.chunks(runtime, request, ctx, prompts, plan, stream)
             return PayloadStream(chunks, stream.close)
         results = await collect(runtime, stream, ctx, len(prompts) * params.n)
-        return self.body(runtime, request, ctx, prompts, results)
+        return self.body(runtime, request, ctx, prompts, plan, results)
 
     def check(self, request: RequestT) -> None:  # noqa: B027 - optional hook
         """Refuse, by name, fields this endpoint does not implement."""
 
+    async def plan(
+        self, runtime: EngineRuntime, request: RequestT, ctx: RequestContext
+    ) -> OutputPlan:
+        """The request's tools and output constraint (default: none); raise a 400 (404)
+        naming the param of what cannot be served."""
+        return OutputPlan()
+
     @abc.abstractmethod
     async def prompts(
-        self, runtime: EngineRuntime, request: RequestT, ctx: RequestContext
+        self, runtime: EngineRuntime, request: RequestT, ctx: RequestContext, plan: OutputPlan
     ) -> list[list[int]]:
         """The prompts as token ids (also setting `ctx.prompt_text` for the log)."""
 
@@ -88,6 +105,7 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         request: RequestT,
         ctx: RequestContext,
         prompts: list[list[int]],
+        plan: OutputPlan,
         results: list[ChoiceResult],
     ) -> dict[str, Any]:
         """The non-streaming response body."""
@@ -99,6 +117,7 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         request: RequestT,
         ctx: RequestContext,
         prompts: list[list[int]],
+        plan: OutputPlan,
         stream: RequestStream,
     ) -> AsyncGenerator[str, None]:
         """The stream's payloads (JSON strings), closing `stream` when done."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -30,6 +31,7 @@ from gateway.errors import (
     unsupported,
 )
 from gateway.protocol import MAX_ARRAY_ITEMS, MAX_STOP_SEQUENCES, SamplingRequest
+from gateway.tool_calls import template_renders_tools
 from schedulers.base import AdmissionError
 from schedulers.client import RequestStream
 from schedulers.client import open_stream as open_engine_stream
@@ -37,6 +39,7 @@ from schedulers.engine import Engine, EngineDeadError
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import QUEUE_TIMEOUT, TokenLogprob
+from schedulers.structured_output import GrammarCompiler
 
 log = structlog.get_logger("carousel.gateway")
 
@@ -87,6 +90,16 @@ class EngineRuntime:
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """The arm's `GrammarCompiler` (None: this backend cannot constrain outputs)."""
+        return self.engine.grammar_compiler
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows `tools=` itself (else the tool prompt does)."""
+        return template_renders_tools(self.tokenizer)
+
 
 @dataclass
 class ChoiceResult:
@@ -119,7 +132,7 @@ def log_ignored_fields(request: SamplingRequest, ctx: RequestContext) -> None:
 
 
 def check_stream_options(request: SamplingRequest) -> None:
-    if request.stream_options is not None and not request.stream:
+    if getattr(request, "stream_options", None) is not None and not request.stream:
         raise invalid("stream_options is only allowed when stream is true.", "stream_options")
 
 

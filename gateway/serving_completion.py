@@ -1,5 +1,6 @@
 """POST /v1/completions on a local engine: prompt(s) -> tokens -> engine -> a
-`text_completion` body or chunks. Choice `p * n + i` is the i-th choice of prompt p."""
+`text_completion` body or chunks. Choice `p * n + i` is the i-th choice of prompt p.
+`response_format` and vLLM's `structured_outputs` constrain every choice (no tools here)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from gateway.context import RequestContext
 from gateway.errors import invalid, unsupported
 from gateway.logprobs import completion_logprobs, text_length
+from gateway.output_plan import OutputPlan, completion_plan
 from gateway.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -65,8 +67,17 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
     def check(self, request: CompletionRequest) -> None:
         check_unsupported(request)
 
-    async def prompts(
+    async def plan(
         self, runtime: EngineRuntime, request: CompletionRequest, ctx: RequestContext
+    ) -> OutputPlan:
+        return completion_plan(request)
+
+    async def prompts(
+        self,
+        runtime: EngineRuntime,
+        request: CompletionRequest,
+        ctx: RequestContext,
+        plan: OutputPlan,
     ) -> list[list[int]]:
         if isinstance(request.prompt, str):
             ctx.prompt_text = request.prompt
@@ -84,6 +95,7 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
         request: CompletionRequest,
         ctx: RequestContext,
         prompts: list[list[int]],
+        plan: OutputPlan,
         results: list[ChoiceResult],
     ) -> dict[str, Any]:
         echoes = _echo_texts(runtime, request, prompts)
@@ -95,6 +107,7 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
         request: CompletionRequest,
         ctx: RequestContext,
         prompts: list[list[int]],
+        plan: OutputPlan,
         stream: RequestStream,
     ) -> AsyncGenerator[str, None]:
         echoes = _echo_texts(runtime, request, prompts)

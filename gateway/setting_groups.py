@@ -45,6 +45,12 @@ class ModelSettings(BaseModel):
     prepack_weights: bool = Field(
         True, description="CPU: a oneDNN-prepacked weight copy for decode-sized matmuls"
     )
+    attention_backend: str = Field(
+        "auto", description="attention kernels: auto, sdpa, inductor_paged (see the quickstart)"
+    )
+    compile: bool = Field(
+        False, description="torch.compile the dense part of each layer at start-up (C++ compiler)"
+    )
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
     sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")
@@ -58,7 +64,7 @@ class CacheSettings(BaseModel):
         None, gt=0, description="KV cache size in GiB (default: planned from the device)"
     )
     enable_prefix_caching: bool = Field(
-        False, description="reuse the KV of full blocks of earlier prompts and outputs"
+        True, description="reuse the KV of full blocks of earlier prompts and outputs"
     )
 
 
@@ -122,6 +128,13 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="413 above this body size")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 and 503 answers")
     sse_ping_s: float = Field(0.0, ge=0, description="SSE keep-alive comment interval (0: off)")
+    responses_store_size: int = Field(
+        1024,
+        ge=1,
+        description="stored Responses API responses (`store: true`) kept for "
+        "previous_response_id and GET, least recently used evicted first; also how many "
+        "response ids' creating arms are remembered (routing GET/DELETE to upstream arms)",
+    )
     disconnect_poll_s: float = Field(
         0.1, gt=0, description="how often a non-streaming request checks for its client"
     )

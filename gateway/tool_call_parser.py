@@ -282,10 +282,15 @@ class ToolCallStreamParser:
         self._call = None
 
 
-def chat_finish_reason(parsed_calls: bool, finish_reason: str | None) -> str | None:
+def chat_finish_reason(
+    parsed_calls: bool, finish_reason: str | None, forced: bool = False
+) -> str | None:
     """OpenAI's finish reason for a chat choice: `tool_calls` when the model stopped after
-    calling tools (a `length` cut stays `length`)."""
-    return "tool_calls" if parsed_calls and finish_reason == "stop" else finish_reason
+    calling tools, except that a call `tool_choice` named (`forced`) stops with `stop`, as
+    OpenAI's does (a `length` cut stays `length`)."""
+    return (
+        "tool_calls" if parsed_calls and finish_reason == "stop" and not forced else finish_reason
+    )
 
 
 def parse_tool_calls(text: str, new_id: Callable[[], str] = new_call_id) -> ParsedOutput:

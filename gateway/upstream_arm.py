@@ -81,6 +81,7 @@ class UpstreamArm(Arm):
                 raise api_error(exc) from None
             ctx.accept()
             _account(ctx, reply)
+            _remember(ctx, body, reply)
             _relabel(reply, ctx.model)
             return reply
         wants_usage = True
@@ -99,6 +100,16 @@ class UpstreamArm(Arm):
         ctx.accept()
         payloads = _payloads(first, frames, ctx, wants_usage)
         return PayloadStream(payloads, on_close=lambda: None)
+
+    async def lookup(
+        self, method: str, path: str, params: dict[str, str], model: str
+    ) -> dict[str, Any] | None:
+        try:
+            reply = await self.client.lookup(method, path, params)
+        except UpstreamError as exc:
+            raise api_error(exc) from None
+        _relabel(reply, model)
+        return reply
 
 
 async def _payloads(
@@ -130,6 +141,8 @@ async def _payloads(
                     error.get("code"),
                 )
             _account_chunk(ctx, chunk)
+            if chunk.get("type") == "response.created":
+                _remember(ctx, ctx.raw_body, chunk.get("response"))
             if not wants_usage:
                 chunk.pop("usage", None)
                 if not chunk.get("choices"):
@@ -154,6 +167,15 @@ def _relabel(body: dict[str, Any], model: str) -> None:
     response = body.get("response")
     if isinstance(response, dict) and "model" in response:
         response["model"] = model
+
+
+def _remember(ctx: RequestContext, body: dict[str, Any], reply: Any) -> None:
+    """Note the id of a stored Responses API response this arm created (its upstream keeps
+    it): GET, DELETE and `previous_response_id` of that id are routed back here."""
+    if not isinstance(reply, dict) or reply.get("object") != "response":
+        return
+    if body.get("store") is not False and isinstance(reply.get("id"), str):
+        ctx.remember_response(reply["id"])
 
 
 def _read_usage(ctx: RequestContext, body: dict[str, Any]) -> None:

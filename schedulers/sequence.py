@@ -35,7 +35,7 @@ class TokenLogprob:
     """The sampled token's logprob and, when asked, the top alternatives (id, logprob)."""
 
     token_id: int
-    logprob: float
+    logprob: float  # NaN when the sequence's params did not ask for logprobs
     top: list[tuple[int, float]] = field(default_factory=list)
 
 

@@ -44,38 +44,69 @@ def hf_decode_tok_s(model: torch.nn.Module, batch: int, prompt_len: int, steps: 
     return batch * steps / (time.perf_counter() - start)
 
 
-def engine_decode_tok_s(backend: TorchBackend, batch: int, prompt_len: int, steps: int) -> float:
-    """Output tokens/s of our backend's execute() in a bare loop (no scheduler, no HTTP)."""
-    spec = backend.kv_cache_spec
-    bm = BlockManager(spec.num_blocks, spec.block_size)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    seqs = [
-        Sequence(i, f"b{i}", torch.randint(100, 1000, (prompt_len,)).tolist(), params)
-        for i in range(batch)
-    ]
+class DecodeBatch:
+    """B sequences with random `prompt_len`-token prompts on `backend`: prefill, then decode.
 
-    def step(num_tokens: list[int]) -> None:
+    Drives the backend's `execute` directly (no scheduler, no HTTP), allocating KV blocks
+    with a `BlockManager` the way the scheduler would; `close()` frees them again.
+    """
+
+    def __init__(self, backend: TorchBackend, batch: int, prompt_len: int, max_steps: int) -> None:
+        self.backend = backend
+        spec = backend.kv_cache_spec
+        self.block_manager = BlockManager(spec.num_blocks, spec.block_size)
+        params = SamplingParams(max_tokens=max_steps + 1, temperature=0.0, ignore_eos=True)
+        self.seqs = [
+            Sequence(i, f"b{i}", torch.randint(100, 1000, (prompt_len,)).tolist(), params)
+            for i in range(batch)
+        ]
+        self._run([prompt_len] * batch)
+
+    def step(self) -> None:
+        """One decode step: every sequence's newest token in, one sampled token out."""
+        self._run([1] * len(self.seqs))
+
+    def _run(self, num_tokens: list[int]) -> None:
         b = Batch(iteration=0)
-        for seq, n in zip(seqs, num_tokens, strict=True):
-            bm.allocate(seq, seq.num_computed_tokens + n)
+        for seq, n in zip(self.seqs, num_tokens, strict=True):
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             b.add(seq, n)
-        out = backend.execute(b)
-        for seq, n in zip(seqs, num_tokens, strict=True):
+        out = self.backend.execute(b)
+        for seq, n in zip(self.seqs, num_tokens, strict=True):
             seq.num_computed_tokens += n
             tok: TokenLogprob = out.sampled[seq.seq_id]
             seq.output_token_ids.append(tok.token_id)
 
-    step([prompt_len] * batch)
-    start = time.perf_counter()
+    def close(self) -> None:
+        for seq in self.seqs:
+            self.block_manager.free(seq)
+            self.backend.release(seq.seq_id)
+
+
+def decode_step_times(
+    backend: TorchBackend, batch: int, prompt_len: int, steps: int
+) -> list[float]:
+    """Seconds of each of `steps` decode steps of `batch` sequences (after the prefill)."""
+    run = DecodeBatch(backend, batch, prompt_len, steps)
+    times = []
     for _ in range(steps):
-        step([1] * batch)
-    if backend.device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    for seq in seqs:
-        bm.free(seq)
-        backend.release(seq.seq_id)
-    return batch * steps / elapsed
+        start = time.perf_counter()
+        run.step()
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    run.close()
+    return times
+
+
+def decode_step_s(backend: TorchBackend, batch: int, prompt_len: int, steps: int) -> float:
+    """Mean seconds of one decode step of `batch` sequences (after a `prompt_len` prefill)."""
+    return sum(decode_step_times(backend, batch, prompt_len, steps)) / steps
+
+
+def engine_decode_tok_s(backend: TorchBackend, batch: int, prompt_len: int, steps: int) -> float:
+    """Output tokens/s of our backend's execute() in a bare loop (no scheduler, no HTTP)."""
+    return batch / decode_step_s(backend, batch, prompt_len, steps)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """GPU readiness check: oracle equality and decode efficiency on a CUDA machine.
 
 Needs only torch, transformers (and tokenizers, safetensors, accelerate): no HTTP layer,
-no pytest, no network. Prints one short table. See scripts/gpu-check.sh.
+no pytest, no network. Prints one short table. See scripts/gpu-check.sh. Every attention
+backend available on the device (backends/torch/attention/) is checked, eager and compiled.
 
 1. Oracle: greedy outputs of the engine (orca and static, staggered submissions) against
    HF `generate` on each prompt alone, for tiny Llama/Mistral/Qwen2/Qwen3 models in fp32
@@ -34,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_forward import engine_decode_tok_s, hf_decode_tok_s  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from backends.torch.attention import available_backends  # noqa: E402
 from backends.torch.runner import TorchBackend  # noqa: E402
 from schedulers.base import SchedulerConfig  # noqa: E402
 from schedulers.llm import LLM  # noqa: E402
@@ -84,6 +86,13 @@ def default_model_dir() -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
+def path_label(attention: str, compiled: bool, backend: TorchBackend) -> str:
+    """The forward path a row measured (a compile that failed ran eager, and says so)."""
+    if not compiled:
+        return attention
+    return f"{attention} compiled" if backend.model.compiled else f"{attention} (compile failed)"
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser(description=__doc__)
@@ -91,43 +100,56 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    parser.add_argument("--attention-backends", default="", help="comma list; default: all")
     args = parser.parse_args()
     device = torch.device(args.device)
     began = time.monotonic()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# gpu-check on {name}, torch {torch.__version__}")
     rows = []
-    for arch in ARCHITECTURES:
-        model = tiny_model(arch)
-        model.generation_config.eos_token_id = None
-        backend = TorchBackend(model, tiny_tokenizer(), device=args.device, dtype="float32",
-                               block_size=4, max_model_len=128, max_num_seqs=64)  # fmt: skip
-        for sched in ("orca", "static"):
-            m, t = oracle(backend, 320, sched)
-            rows.append((f"oracle {arch} fp32 {sched}", f"{m}/{t}", "PASS" if m == t else "FAIL"))
+    names = args.attention_backends.split(",") if args.attention_backends else None
+    variants = [(name, compiled) for name in names or available_backends(device)
+                for compiled in (False, True)]  # fmt: skip
+    for attention, compiled in variants:
+        for arch in ARCHITECTURES:
+            model = tiny_model(arch)
+            model.generation_config.eos_token_id = None
+            backend = TorchBackend(model, tiny_tokenizer(), device=args.device, dtype="float32",
+                                   block_size=4, max_model_len=128, max_num_seqs=64,
+                                   attention_backend=attention, compile=compiled)  # fmt: skip
+            label = path_label(attention, compiled, backend)
+            for sched in ("orca", "static"):
+                m, t = oracle(backend, 320, sched)
+                verdict = "PASS" if m == t else "FAIL"
+                rows.append((f"oracle {label} {arch} fp32 {sched}", f"{m}/{t}", verdict))
     path = default_model_dir()
-    if path is not None:
-        backend = TorchBackend.load(str(path), device=args.device, kv_cache_gb=2.0,
-                                    max_model_len=2048)  # fmt: skip
-        label = "default model"
-    else:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2))
-        backend = TorchBackend(model, tiny_tokenizer(), device=args.device, kv_cache_gb=2.0,
-                               max_model_len=2048)  # fmt: skip
-        label = "smollm2-shaped random"
-    for sched in ("orca", "static"):
-        m, t = oracle(backend, 49152, sched)
-        rows.append((f"oracle {label} {backend.dtype} {sched}", f"{m}/{t}", f"{m / t:.0%} match"))
-    weight_bytes = sum(p.numel() * p.element_size() for p in backend.hf_model.parameters())
-    floor_ms = weight_bytes / (args.bandwidth_gbs * 1e9) * 1e3
-    for b in (int(x) for x in args.batch_sizes.split(",")):
-        engine_decode_tok_s(backend, b, 64, 4)
-        hf = hf_decode_tok_s(backend.hf_model, b, 64, args.steps)
-        ours = engine_decode_tok_s(backend, b, 64, args.steps)
-        step_ms = b / ours * 1e3
-        verdict = f"ours/hf {ours / hf:.2f}; step {step_ms:.2f} ms vs floor {floor_ms:.3f} ms"
-        rows.append((f"decode B={b}", f"hf {hf:.0f} tok/s, ours {ours:.0f} tok/s", verdict))
+    for attention, compiled in variants:
+        kwargs = dict(device=args.device, kv_cache_gb=2.0, max_model_len=2048,
+                      attention_backend=attention, compile=compiled)  # fmt: skip
+        if path is not None:
+            backend = TorchBackend.load(str(path), **kwargs)  # type: ignore[arg-type]
+            model_label = "default model"
+        else:
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**SMOLLM2))
+            backend = TorchBackend(model, tiny_tokenizer(), **kwargs)  # type: ignore[arg-type]
+            model_label = "smollm2-shaped random"
+        label = path_label(attention, compiled, backend)
+        for sched in ("orca", "static"):
+            m, t = oracle(backend, 49152, sched)
+            rows.append((f"oracle {label} {model_label} {backend.dtype} {sched}", f"{m}/{t}",
+                         f"{m / t:.0%} match"))  # fmt: skip
+        weight_bytes = sum(p.numel() * p.element_size() for p in backend.hf_model.parameters())
+        floor_ms = weight_bytes / (args.bandwidth_gbs * 1e9) * 1e3
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            engine_decode_tok_s(backend, b, 64, 4)
+            hf = hf_decode_tok_s(backend.hf_model, b, 64, args.steps)
+            ours = engine_decode_tok_s(backend, b, 64, args.steps)
+            step_ms = b / ours * 1e3
+            verdict = f"ours/hf {ours / hf:.2f}; step {step_ms:.2f} ms vs floor {floor_ms:.3f} ms"
+            rows.append((f"decode {label} B={b}", f"hf {hf:.0f} tok/s, ours {ours:.0f} tok/s",
+                         verdict))  # fmt: skip
+        backend.close()
     if device.type == "cuda":  # tensor parallelism over NCCL, when two GPUs are lent
         from gpu_check_tp import tp_rows
 

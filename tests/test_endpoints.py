@@ -57,11 +57,12 @@ def test_typed_event_streams_have_event_lines_and_no_done() -> None:
 
 def test_every_endpoint_of_the_table_is_routed_and_counted(server: LiveServer) -> None:
     bodies = {
-        "chat": {"messages": [{"role": "user", "content": "hi"}]},
-        "completions": {"prompt": "hi"},
+        "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "completions": {"prompt": "hi", "max_tokens": 2},
+        "responses": {"input": "hi", "max_output_tokens": 2},
     }
     for endpoint in ENDPOINTS:
-        body = {"model": SIM_MODEL, "max_tokens": 2, **bodies[endpoint.name]}
+        body = {"model": SIM_MODEL, **bodies[endpoint.name]}
         assert httpx.post(server.url + endpoint.path, json=body).status_code == 200
     metrics = httpx.get(f"{server.url}/metrics").text
     for endpoint in ENDPOINTS:

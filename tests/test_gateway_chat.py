@@ -229,11 +229,8 @@ def test_request_id_header_is_used_and_echoed(server: LiveServer) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -275,8 +272,16 @@ def test_harmless_forms_of_unimplemented_fields_are_accepted(client: openai.Open
         ),
         (
             [{"role": "system", "content": "s"}, {"role": "tool", "content": "r"}],
-            "messages[1].role",
+            "messages[1].tool_call_id",
         ),
+        (
+            [
+                {"role": "user", "content": "s"},
+                {"role": "tool", "content": "r", "tool_call_id": "x"},
+            ],
+            "messages[1].tool_call_id",
+        ),
+        ([{"role": "function", "content": "x"}], "messages[0].role"),
         ([{"role": "wizard", "content": "x"}], "messages[0].role"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": 5}], "messages[0].content"),

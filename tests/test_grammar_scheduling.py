@@ -494,7 +494,9 @@ def chat_prompt(tokenizer: Any, question: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def default_backend() -> TorchBackend:
-    return TorchBackend.load("default", device="cpu", kv_cache_gb=0.25, max_model_len=512)
+    return TorchBackend.load(
+        "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512
+    )
 
 
 @pytest.mark.real_model
@@ -525,7 +527,12 @@ def test_default_model_schema_outputs_validate_at_temperature_1(
 def test_default_model_schema_outputs_survive_chunked_prefill_preemption_and_abort() -> None:
     # KV for one 256-token context: four ~150-token requests must preempt one another
     backend = TorchBackend.load(
-        "default", device="cpu", kv_cache_gb=0.25, max_model_len=256, max_num_seqs=1
+        "default",
+        device="cpu",
+        dtype="float32",
+        kv_cache_gb=0.25,
+        max_model_len=256,
+        max_num_seqs=1,
     )
     tokenizer = backend.tokenizer
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, enable_chunked_prefill=True)

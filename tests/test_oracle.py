@@ -19,6 +19,7 @@ from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
 from schedulers.structured_output import CompiledGrammar, GrammarSpec
+from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
 from tests.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
 PROMPT_LENGTHS = [3, 41, 9, 70, 1, 24]
@@ -77,7 +78,10 @@ def expected(arch_model: tuple[str, PreTrainedModel]) -> list[list[int]]:
 
 
 def make_backend(
-    model: PreTrainedModel, max_num_seqs: int = 64, max_model_len: int = 128
+    model: PreTrainedModel,
+    path: EnginePath | None = None,
+    max_num_seqs: int = 64,
+    max_model_len: int = 128,
 ) -> TorchBackend:
     return TorchBackend(
         model,
@@ -86,15 +90,19 @@ def make_backend(
         block_size=BLOCK_SIZE,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
+        **(path.kwargs() if path else {}),
     )
 
 
 @pytest.mark.parametrize("scheduler", ["orca", "static"])
 def test_batched_greedy_equals_hf_generate_alone(
-    arch_model: tuple[str, PreTrainedModel], expected: list[list[int]], scheduler: str
+    arch_model: tuple[str, PreTrainedModel],
+    expected: list[list[int]],
+    scheduler: str,
+    engine_path: EnginePath,
 ) -> None:
     _, model = arch_model
-    backend = make_backend(model)
+    backend = make_backend(model, engine_path)
     # NOTE: static waits 20 ms to fill a batch, so the two requests submitted together at
     # t = 0 always share one, however late the engine thread wakes on a loaded machine.
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)
@@ -111,11 +119,11 @@ def test_batched_greedy_equals_hf_generate_alone(
 
 
 def test_chunked_prefill_and_preemption_keep_greedy_outputs(
-    arch_model: tuple[str, PreTrainedModel], expected: list[list[int]]
+    arch_model: tuple[str, PreTrainedModel], expected: list[list[int]], engine_path: EnginePath
 ) -> None:
     _, model = arch_model
     # KV for one 80-token context (20 blocks), far less than the prompts need together
-    backend = make_backend(model, max_num_seqs=1, max_model_len=80)
+    backend = make_backend(model, engine_path, max_num_seqs=1, max_model_len=80)
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True)
     # NOTE: all submitted at once, so they surely compete for the KV (staggered arrivals can
     # finish early ones first on a fast, idle machine, and then nothing is preempted)
@@ -127,8 +135,13 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("scheduler", ["orca", "static"])
-def test_default_model_batched_greedy_equals_hf_generate(scheduler: str) -> None:
-    backend = TorchBackend.load("default", device="cpu", kv_cache_gb=0.25, max_model_len=512)
+def test_default_model_batched_greedy_equals_hf_generate(
+    scheduler: str, engine_path: EnginePath
+) -> None:
+    backend = TorchBackend.load(
+        "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512,
+        **engine_path.kwargs(),
+    )  # fmt: skip
     tokenizer = backend.tokenizer
     questions = [
         "What is the capital of France?",
@@ -210,7 +223,9 @@ def test_greedy_outputs_unchanged_beside_constrained_requests(
 
 @pytest.mark.real_model
 def test_default_model_greedy_unchanged_beside_constrained_requests() -> None:
-    backend = TorchBackend.load("default", device="cpu", kv_cache_gb=0.25, max_model_len=512)
+    backend = TorchBackend.load(
+        "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512
+    )
     tokenizer = backend.tokenizer
     questions = ["What is the capital of France?", "Name a prime number.", "Hi"]
     rendered = [

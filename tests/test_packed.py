@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.torch.model import PagedCausalLM
+from backends.torch.kv_cache import KVCache, KVLayout
+from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.packed import Linear, cached_linear, pack_plan
 from backends.torch.runner import TorchBackend
 from tests.tiny_models import tiny_model, tiny_tokenizer
@@ -39,17 +40,23 @@ def test_no_plan_off_cpu_or_for_float64() -> None:
     assert pack_plan(CPU, torch.float64) is None
 
 
+def small_cache(model: torch.nn.Module) -> KVCache:
+    spec = attention_specs(model)[0]  # type: ignore[arg-type]
+    layout = KVLayout(len(model.model.layers), spec.num_kv_heads, spec.head_dim, 4, torch.float32)
+    return KVCache(layout, 4, CPU)
+
+
 def test_backends_over_one_model_share_the_packed_weights() -> None:
     model = tiny_model("llama").to(torch.bfloat16)
-    first = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
-    second = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
+    first = PagedCausalLM(model, small_cache(model))
+    second = PagedCausalLM(model, small_cache(model))
     if pack_plan(CPU, torch.bfloat16) is not None:
         assert first.linears[0].qkv.packed is not None
     assert first.linears[0].qkv is second.linears[0].qkv
     assert first.lm_head_linear is second.lm_head_linear
     # a cast makes new parameter tensors: the next backend packs them afresh
     model.to(torch.float32)
-    third = PagedCausalLM(model, kv_cache=None)  # type: ignore[arg-type]
+    third = PagedCausalLM(model, small_cache(model))
     assert third.linears[0].down is not first.linears[0].down
     assert third.linears[0].down.weight.dtype == torch.float32
     assert cached_linear(model.lm_head, "lm_head", model.lm_head.weight, None, None).plan is None

@@ -205,7 +205,12 @@ def test_default_model_system_prompt_and_second_turn_equal_hf_generate(
     scheduler: str, variant: str
 ) -> None:
     backend_kwargs, config_kwargs = REAL_VARIANTS[variant]
-    backend = TorchBackend.load("default", device="cpu", **backend_kwargs)  # type: ignore[arg-type]
+    backend = TorchBackend.load(
+        "default",
+        device="cpu",
+        dtype="float32",
+        **backend_kwargs,  # type: ignore[arg-type]
+    )
     tokenizer = backend.tokenizer
 
     def chat(messages: list[dict[str, str]]) -> list[int]:

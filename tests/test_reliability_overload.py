@@ -5,6 +5,7 @@ turns the server 503. No request is lost and every KV block comes back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -103,28 +104,51 @@ def test_queue_wait_cap_is_429_or_an_in_band_error_and_frees_everything(
 def test_burst_never_queues_more_than_max_waiting_requests(
     make_server: Callable[..., LiveServer],
 ) -> None:
-    """Submissions between two engine iterations count as waiting (the bound is hard)."""
+    """Submissions between two engine iterations count as waiting (the bound is hard): with
+    both slots held by streams that do not end by themselves, a burst gets exactly
+    `max_waiting_requests` in and 429s for the rest, whatever the machine's speed; those
+    run once the holders leave."""
     slow = CostModel(fixed_s=0.25, per_token_s=0.0, per_context_token_s=0.0)
     options = ServingOptions(max_waiting_requests=3)
     srv = make_server(arm(max_num_seqs=2, options=options, cost=slow))
+    engine = srv.arm.engine
+    url = f"{srv.v1}/chat/completions"
     waiting_seen: list[int] = []
 
     def on_iteration(record: IterationRecord) -> None:
         waiting_seen.append(record.num_waiting)
 
-    srv.arm.engine.iteration_listeners.append(on_iteration)
+    engine.iteration_listeners.append(on_iteration)
 
-    async def burst() -> list[int]:
+    async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            await asyncio.sleep(0.01)
+
+    async def burst() -> tuple[list[int], list[int]]:
+        holding = {**CHAT, "max_tokens": 1000, "stream": True}  # 250 s: ended by the test
         async with httpx.AsyncClient(timeout=60) as client:
-            replies = await asyncio.gather(
-                *(client.post(f"{srv.v1}/chat/completions", json=CHAT) for _ in range(24))
-            )
-        return [r.status_code for r in replies]
+            async with contextlib.AsyncExitStack() as holders:
+                for _ in range(2):
+                    held = await holders.enter_async_context(
+                        client.stream("POST", url, json=holding)
+                    )
+                    assert held.status_code == 200
+                await until(lambda: engine.num_running == 2)
+                posts = [asyncio.ensure_future(client.post(url, json=CHAT)) for _ in range(22)]
+                await until(lambda: sum(p.done() for p in posts) == 22 - 3)
+                refused = [p.result().status_code for p in posts if p.done()]
+                queued = [p for p in posts if not p.done()]
+                assert engine.num_waiting == 3 and engine.num_running == 2
+            # the holders have gone: the three that waited run now
+            served = [r.status_code for r in await asyncio.gather(*queued)]
+        return refused, served
 
-    statuses = asyncio.run(burst())
-    assert set(statuses) == {200, 429}
+    refused, served = asyncio.run(burst())
+    assert refused == [429] * 19
+    assert served == [200] * 3
     assert max(waiting_seen) <= 3, waiting_seen
-    assert statuses.count(200) >= 4
     assert_all_blocks_free(srv)
 
 

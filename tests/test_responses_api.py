@@ -27,7 +27,7 @@ from gateway.protocol_responses import (
     to_sse,
     unsupported,
 )
-from gateway.response_store import ResponseStore, previous_conversation
+from gateway.response_store import ResponseOwner, ResponseStore, previous_conversation
 from gateway.responses_convert import (
     ChatParts,
     conversation_after,
@@ -355,3 +355,16 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds() -> None:
     assert small.size_bytes <= 100 and small.get("h") is not None and small.get("d") is None
     with pytest.raises(ValueError):
         ResponseStore(max_responses=0)
+
+
+def test_the_store_remembers_which_arm_created_an_id_within_its_bound() -> None:
+    store = ResponseStore(max_responses=2)
+    store.remember_owner("a", "front", "remote")
+    store.remember_owner("b", "front", "here")
+    assert store.owner("a") == ResponseOwner("front", "remote")  # a is now the most recent
+    store.remember_owner("c", "front", "remote")
+    assert store.owner("b") is None and store.owner("a") is not None
+    assert store.owner("c") is not None and store.owner("c").key == ("front", "remote")  # type: ignore[union-attr]
+    store.forget_owner("a")
+    assert store.owner("a") is None
+    assert len(store) == 0  # noting owners stores no responses

@@ -333,20 +333,29 @@ def test_full_logprobs_sum_to_one() -> None:
     assert sum(math.exp(lp) for _, lp in out.top) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_no_logprobs_requested_still_reports_the_sampled_logprob() -> None:
-    logits = random_logits(2, 30, seed=6)
-    seqs = [make_seq(seq_id=0, temperature=0.0), make_seq(seq_id=1, seed=1, logprobs=0)]
+def test_logprobs_are_computed_only_for_the_rows_that_ask() -> None:
+    logits = random_logits(4, 30, seed=6)
+    seqs = [
+        make_seq(seq_id=0, temperature=0.0),
+        make_seq(seq_id=1, seed=1, logprobs=0),
+        make_seq(seq_id=2, seed=2),
+        make_seq(seq_id=3, temperature=0.0, logprobs=2),
+    ]
     outs = Sampler(30, CPU)(logits, seqs)
     expected = logits.log_softmax(-1)
-    for row, out in enumerate(outs):
-        assert out.top == []
-        assert out.logprob == pytest.approx(expected[row, out.token_id].item(), abs=1e-5)
+    assert [out.token_id for out in outs][::3] == logits[::3].argmax(-1).tolist()
+    for row in (0, 2):
+        assert math.isnan(outs[row].logprob) and outs[row].top == []
+    for row in (1, 3):
+        want = expected[row, outs[row].token_id].item()
+        assert outs[row].logprob == pytest.approx(want, abs=1e-5)
+    assert outs[1].top == [] and len(outs[3].top) == 2
 
 
 @pytest.mark.parametrize("temperature", [1e-4, 1e-30])
 def test_temperature_near_zero_matches_greedy(temperature: float) -> None:
     logits = random_logits(8, 100, seed=7)
-    seqs = [make_seq(seq_id=i, seed=i, temperature=temperature) for i in range(8)]
+    seqs = [make_seq(seq_id=i, seed=i, temperature=temperature, logprobs=0) for i in range(8)]
     outs = Sampler(100, CPU)(logits, seqs)
     assert [out.token_id for out in outs] == logits.argmax(-1).tolist()
     assert all(math.isfinite(out.logprob) for out in outs)

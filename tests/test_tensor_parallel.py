@@ -63,8 +63,8 @@ def tp_backend(
     group: TensorParallelGroup, saved: tuple[PreTrainedModel, Path]
 ) -> Iterator[TensorParallelBackend]:
     backend = TensorParallelBackend.load(
-        str(saved[1]), tensor_parallel_size=2, device="cpu", block_size=BLOCK_SIZE,
-        max_model_len=128, max_num_seqs=64,
+        str(saved[1]), tensor_parallel_size=2, device="cpu", dtype="float32",
+        block_size=BLOCK_SIZE, max_model_len=128, max_num_seqs=64,
     )  # fmt: skip
     yield backend
     backend.close()

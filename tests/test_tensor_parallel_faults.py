@@ -44,8 +44,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def load(model_dir: Path, **kwargs: float) -> TensorParallelBackend:
     return TensorParallelBackend.load(
-        str(model_dir), tensor_parallel_size=2, device="cpu", max_model_len=LONG,
-        max_num_seqs=4, **kwargs,  # type: ignore[arg-type]
+        str(model_dir), tensor_parallel_size=2, device="cpu", dtype="float32",
+        max_model_len=LONG, max_num_seqs=4, **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

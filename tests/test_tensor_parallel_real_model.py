@@ -27,7 +27,12 @@ DELAYS_S = [0.0, 0.05, 0.2]
 @pytest.fixture(scope="module")
 def tp3() -> Iterator[TensorParallelBackend]:
     backend = TensorParallelBackend.load(
-        "default", tensor_parallel_size=3, device="cpu", kv_cache_gb=0.1, max_model_len=512
+        "default",
+        tensor_parallel_size=3,
+        device="cpu",
+        dtype="float32",
+        kv_cache_gb=0.1,
+        max_model_len=512,
     )
     yield backend
     backend.close()
@@ -35,7 +40,9 @@ def tp3() -> Iterator[TensorParallelBackend]:
 
 @pytest.fixture(scope="module")
 def one_process() -> Iterator[TorchBackend]:
-    backend = TorchBackend.load("default", device="cpu", kv_cache_gb=0.1, max_model_len=512)
+    backend = TorchBackend.load(
+        "default", device="cpu", dtype="float32", kv_cache_gb=0.1, max_model_len=512
+    )
     yield backend
     backend.close()
 

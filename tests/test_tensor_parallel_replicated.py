@@ -22,8 +22,8 @@ def test_tp4_replicates_kv_heads_and_equals_hf_generate(tmp_path: Path) -> None:
     tiny_tokenizer().save_pretrained(tmp_path)
     expected = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS, strict=True)]
     backend = TensorParallelBackend.load(
-        str(tmp_path), tensor_parallel_size=4, device="cpu", block_size=BLOCK_SIZE,
-        max_model_len=128, max_num_seqs=64,
+        str(tmp_path), tensor_parallel_size=4, device="cpu", dtype="float32",
+        block_size=BLOCK_SIZE, max_model_len=128, max_num_seqs=64,
     )  # fmt: skip
     try:
         ranks = backend.describe()

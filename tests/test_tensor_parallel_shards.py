@@ -92,8 +92,8 @@ def test_flat_step_rebuilds_exactly_what_prepare_builds() -> None:
     assert torch.equal(rebuilt.input_ids, inputs.input_ids)
     assert torch.equal(rebuilt.positions, inputs.positions)
     assert rows is not None and rows.tolist() == [0, 2]
-    for field in inputs.meta.__dataclass_fields__:
-        got, want = getattr(rebuilt.meta, field), getattr(inputs.meta, field)
+    for field in inputs.layout.__dataclass_fields__:
+        got, want = getattr(rebuilt.layout, field), getattr(inputs.layout, field)
         same = torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
         assert same, field
     assert FlatStep.unpack(step.sizes, step.pack()).sizes == step.sizes

@@ -17,19 +17,21 @@ from transformers import (
     PreTrainedModel,
 )
 
-from backends.torch import loader
+from backends.torch import dense, inductor, loader
 from backends.torch.runner import TorchBackend
 from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
+from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
 from tests.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
 
-def make_backend(model: PreTrainedModel) -> TorchBackend:
+def make_backend(model: PreTrainedModel, path: EnginePath | None = None) -> TorchBackend:
     return TorchBackend(
-        model, tiny_tokenizer(), device="cpu", kv_cache_gb=0.01, block_size=BLOCK_SIZE
-    )
+        model, tiny_tokenizer(), device="cpu", kv_cache_gb=0.01, block_size=BLOCK_SIZE,
+        **(path.kwargs() if path else {}),
+    )  # fmt: skip
 
 
 def make_seq(seq_id: int, num_prompt: int, rng: random.Random, free: list[int]) -> Sequence:
@@ -47,9 +49,11 @@ def reference_logits(model: PreTrainedModel, seq: Sequence, stop: int) -> torch.
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_selective_batching_matches_hf_forward_per_sequence(arch: str) -> None:
+def test_selective_batching_matches_hf_forward_per_sequence(
+    arch: str, engine_path: EnginePath
+) -> None:
     model = tiny_model(arch)
-    backend = make_backend(model)
+    backend = make_backend(model, engine_path)
     rng = random.Random(1)
     free = list(range(backend.kv_cache_spec.num_blocks))
     rng.shuffle(free)
@@ -89,6 +93,24 @@ def test_execute_samples_greedily_only_for_sequences_that_complete() -> None:
     want = reference_logits(model, full, 6)
     assert output.sampled[7].token_id == int(want.argmax())
     backend.release(7)
+
+
+@pytest.mark.skipif(not inductor.compiler_available(), reason="no C++ compiler for Inductor")
+def test_a_failing_compiler_leaves_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("the compiler broke")
+
+    monkeypatch.setattr(dense, "compiled_decoder_layer", broken)
+    model = tiny_model("llama")
+    backend = make_backend(model, EnginePath("sdpa", compile=True))
+    assert not backend.model.compiled
+    rng = random.Random(4)
+    seq = make_seq(3, 9, rng, list(range(backend.kv_cache_spec.num_blocks)))
+    batch = Batch(0)
+    batch.add(seq, 9)
+    assert backend.execute(batch).sampled[3].token_id == int(
+        reference_logits(model, seq, 9).argmax()
+    )
 
 
 def test_backend_reports_eos_context_and_kv_capacity() -> None:

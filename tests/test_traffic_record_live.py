@@ -36,9 +36,10 @@ def test_each_request_is_one_line_with_its_arm_outcome_and_arrival(
     path = tmp_path / "traffic.jsonl"
     srv = make_server(record_traffic=str(path), api_keys=[SECRET])
     client = openai.OpenAI(base_url=srv.v1, api_key=SECRET, max_retries=0)
-    gaps = [0.0, 0.2, 0.3]
-    for gap in gaps:
+    sent = []
+    for gap in [0.0, 0.2, 0.3]:
         time.sleep(gap)
+        sent.append(time.time())
         client.chat.completions.create(
             model=SIM_MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=3
         )
@@ -53,9 +54,12 @@ def test_each_request_is_one_line_with_its_arm_outcome_and_arrival(
     assert first["outcome"]["finish_reason"] == "length"
     assert first["outcome"]["completion_tokens"] == 3 and first["outcome"]["prompt_tokens"] > 0
     assert first["outcome"]["ttft_s"] is not None and first["outcome"]["e2e_s"] > 0
+    # the arrivals are as far apart as the client sent them (each gap also holds the previous
+    # request's own latency, so the client's clock is the reference, not the sleeps)
     offsets = [b["t"] - a["t"] for a, b in zip(records, records[1:3], strict=False)]
-    for seen, gap in zip(offsets, gaps[1:], strict=True):
-        assert abs(seen - gap) < 0.1, (seen, gap)
+    client_offsets = [b - a for a, b in zip(sent, sent[1:], strict=False)]
+    for seen, gap in zip(offsets, client_offsets, strict=True):
+        assert abs(seen - gap) < 0.05, (seen, gap)
     assert SECRET not in path.read_text()
     metrics = httpx.get(f"{srv.url}/metrics").text
     assert "carousel_traffic_record_written_total 4.0" in metrics

@@ -2,54 +2,33 @@
 
 Every op but attention (embedding, RMSNorm, QKV/output projections, MLP, final norm, lm_head)
 runs once over the flat `[N, hidden]` tensor of all scheduled tokens of all sequences, with
-the Q/K/V projections fused into one matmul (fused.py). Only
-attention is per sequence: new K/V go into the cache through `slot_mapping`, then each
-sequence attends to its own context gathered through its block table. Sequences with one new
-token (decodes) share one batched, masked attention call. No padding of the token dimension.
+the Q/K/V projections fused into one matmul (fused.py). Only attention is per sequence, and
+it sits behind the attention seam (attention/): the backend stores the new K/V into the
+paged cache and attends each token to its own sequence's context. No padding of the token
+dimension.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from backends.torch import inductor, inputs
+from backends.torch.attention import AUTO, create_backend
+from backends.torch.attention.base import (
+    AttentionMetadata,
+    AttentionSpec,
+    BatchLayout,
+)
 from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
 from backends.torch.loader import check_architecture
 from backends.torch.packed import Linear, PackPlan, cached_linear, pack_plan
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Where each sequence's scheduled tokens sit in the flat batch and in the paged KV cache.
-
-    Sequence `i` owns flat rows `[cu_seqlens_q[i], cu_seqlens_q[i + 1])`. After this step's
-    K/V are written, its context is slots `[0, seqlens_k[i])` of its block table, the last
-    `seqlens_q[i]` of which are the new tokens.
-
-    NOTE: `block_tables` rows are padded with block 0 to a common width; nothing past a
-    sequence's context length is ever attended to.
-    """
-
-    cu_seqlens_q: torch.Tensor  # (B + 1,) int64
-    context_lens: torch.Tensor  # (B,) int64, == seqlens_k
-    slot_mapping: torch.Tensor  # (N,) int64, cache slot of every scheduled token
-    block_tables: torch.Tensor  # (B, max_blocks) int64
-    query_starts: tuple[int, ...]  # host copies, to slice without device syncs
-    seqlens_q: tuple[int, ...]
-    seqlens_k: tuple[int, ...]
-    decode_indices: torch.Tensor  # (D,) int64, sequences with exactly one new token
-    decode_max_blocks: int  # widest block table among the decodes
-    prefill_indices: tuple[int, ...]  # sequences with more than one new token
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqlens_q)
 
 
 @dataclass(frozen=True)
@@ -89,55 +68,156 @@ def _sliding_window(attn: nn.Module, config: object) -> int | None:
     return None if window is None else int(window)
 
 
+def attention_specs(hf_model: PreTrainedModel) -> list[AttentionSpec]:
+    """Each decoder layer's attention geometry, read off that layer's own projections."""
+    specs = []
+    for layer in hf_model.model.layers:
+        attn = layer.self_attn
+        head_dim = int(attn.head_dim)
+        specs.append(
+            AttentionSpec(
+                num_heads=attn.q_proj.weight.shape[0] // head_dim,
+                num_kv_heads=attn.k_proj.weight.shape[0] // head_dim,
+                head_dim=head_dim,
+                scale=float(attn.scaling),
+                sliding_window=_sliding_window(attn, hf_model.config),
+            )
+        )
+    return specs
+
+
 class PagedCausalLM:
     """The forward pass of a Llama/Mistral/Qwen2/Qwen3 HF model over a paged KV cache."""
 
     def __init__(
-        self, hf_model: PreTrainedModel, kv_cache: KVCache, *, prepack: bool = True
+        self,
+        hf_model: PreTrainedModel,
+        kv_cache: KVCache,
+        *,
+        prepack: bool = True,
+        attention_backend: str = AUTO,
     ) -> None:
         check_architecture(type(hf_model).__name__)
-        config = hf_model.config
         base = hf_model.model
         self.embed_tokens = base.embed_tokens
         self.layers = base.layers
         self.norm = base.norm
         self.rotary_emb = base.rotary_emb
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = self.layers[0].self_attn.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.specs = attention_specs(hf_model)
         weight = hf_model.lm_head.weight
         plan = pack_plan(weight.device, weight.dtype) if prepack else None
         self.linears = [_LayerLinears.of(layer, fuse_layer(layer), plan) for layer in self.layers]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
-        self.windows = [_sliding_window(layer.self_attn, config) for layer in self.layers]
         self.kv_cache = kv_cache
+        self.attention = create_backend(attention_backend, kv_cache, self.specs, weight.device)
+        self.compiled = False  # see enable_compiled
+
+    def compilable(self) -> bool:
+        """Whether the compiled layer (dense.py) can run this model here; logs why not."""
+        if not inductor.compiler_available():
+            inductor.log.warning("no C++ compiler for Inductor: the forward runs eager")
+            return False
+        if len({(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.specs}) != 1:
+            inductor.log.warning("layers of different shapes: the forward runs eager")
+            return False
+        return True
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        layout: BatchLayout,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B', V) at the last scheduled token of sequences `logits_indices` (all)."""
+        meta = self.attention.build_metadata(layout)
         hidden = self.embed_tokens(input_ids)  # (N, H)
         cos, sin = self.rotary_emb(hidden, positions[None])  # (1, N, hd) each
         rope = (cos[0, :, None, :], sin[0, :, None, :])  # (N, 1, hd): broadcast over heads
-        masks = {w: self._masks(meta, w) for w in set(self.windows)}
-        for layer_idx, layer in enumerate(self.layers):
-            attn_in = layer.input_layernorm(hidden)
-            hidden = hidden + self._attention(layer_idx, attn_in, rope, meta, masks)
-            hidden = hidden + self._mlp(layer_idx, layer.post_attention_layernorm(hidden))
-        last = meta.cu_seqlens_q[1:] - 1  # (B,)
+        if self.compiled:
+            hidden = self._compiled_layers(hidden, rope, meta)
+        else:
+            for layer_idx, layer in enumerate(self.layers):
+                attn_in = layer.input_layernorm(hidden)
+                hidden = hidden + self._attention(layer_idx, attn_in, rope, meta)
+                hidden = hidden + self._mlp(layer_idx, layer.post_attention_layernorm(hidden))
+        last = layout.cu_seqlens_q[1:] - 1  # (B,)
         if logits_indices is not None:
             last = last[logits_indices]
         # NOTE: the final norm is per token, so norming only the rows we need is identical.
         return self.lm_head_linear(self.norm(hidden[last]))  # (B', V)
 
     __call__ = forward
+
+    def _compiled_layers(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every decoder layer through the one compiled graph (dense.py), weights as inputs."""
+        from backends.torch import dense, ops
+
+        cos, sin = rope
+        with ops.forward_context(self.attention, meta):
+            for index, weights in zip(self._layer_index, self._layer_weights, strict=True):
+                hidden = dense.compiled_decoder_layer(
+                    hidden, cos, sin, index, weights, self._layer_shape
+                )
+        return hidden
+
+    def enable_compiled(self) -> None:
+        """Route the dense part of every layer through dense.py's compiled graph.
+
+        Registers this model's `Linear`s for `carousel::linear`, then compiles (logged) for
+        one token and for a dynamic token count, so no request waits for the compiler.
+        NOTE: the graph calls the `Linear`s registered here, so a model whose `self.linears`
+        are replaced later (tensor parallelism's row-parallel ones) must stay eager.
+        """
+        # NOTE: imported only here: importing them imports Dynamo and Inductor, whose threads
+        # an eager server must not carry (backends/torch/device_thread.py)
+        from backends.torch import dense
+
+        inductor.configure()
+        self._layer_index = [torch.tensor(i) for i in range(len(self.layers))]
+        self._layer_weights = [self._weights_of(i) for i in range(len(self.layers))]
+        spec = self.specs[0]
+        eps = float(self.layers[0].input_layernorm.variance_epsilon)
+        self._layer_shape = dense.LayerShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, eps)
+        self.compiled = True
+        began = time.monotonic()
+        inductor.log.info("compiling the decoder layer (torch.compile, Inductor)")
+        try:
+            for num_tokens in (1, 2):
+                self._warm_up(num_tokens)
+        except Exception:  # a compiler failure must not keep the server from starting
+            inductor.log.exception("compiling the decoder layer failed; running it eager")
+            self.compiled = False
+            return
+        inductor.log.info("decoder layer compiled", seconds=round(time.monotonic() - began, 1))
+
+    def _weights_of(self, index: int) -> tuple[torch.Tensor | None, ...]:
+        from backends.torch import ops
+
+        lin, layer = self.linears[index], self.layers[index]
+        for linear in (lin.qkv, lin.o_proj, lin.gate, lin.up, lin.down):
+            ops.register_linear(linear)
+        attn = layer.self_attn
+        q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None
+        k_norm = attn.k_norm.weight if hasattr(attn, "k_norm") else None
+        return (
+            lin.qkv.weight, lin.qkv.bias, lin.o_proj.weight, lin.gate.weight, lin.up.weight,
+            lin.down.weight, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            q_norm, k_norm,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def _warm_up(self, num_tokens: int) -> None:
+        """One compiled forward over `num_tokens` fresh tokens, written to the first blocks
+        (before the first request: nobody holds them yet, see `inputs.warm_up_layout`)."""
+        device = self.kv_cache.k[0].device
+        batch_layout = inputs.warm_up_layout(num_tokens, self.kv_cache.block_size, device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        positions = torch.arange(num_tokens, device=device)
+        self.forward(ids, positions, batch_layout)
 
     def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         lin = self.linears[layer_idx]
@@ -149,133 +229,23 @@ class PagedCausalLM:
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        masks: dict[int | None, tuple[list[torch.Tensor | None], torch.Tensor | None]],
     ) -> torch.Tensor:
         attn = self.layers[layer_idx].self_attn
-        n, hd, nh = x.shape[0], self.head_dim, self.num_heads
+        spec = self.specs[layer_idx]
+        n, hd, nh, nkv = x.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
         qkv = self.linears[layer_idx].qkv(x)  # (N, q + 2 * kv)
-        qk_size = self.q_size + self.kv_size
-        v = qkv[:, qk_size:].view(n, self.num_kv_heads, hd)  # (N, nkv, hd)
+        q_size, qk_size = nh * hd, (nh + nkv) * hd
+        v = qkv[:, qk_size:].view(n, nkv, hd)  # (N, nkv, hd)
         cos, sin = rope
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before rotary
-            q = attn.q_norm(qkv[:, : self.q_size].view(n, nh, hd))
-            k = attn.k_norm(qkv[:, self.q_size : qk_size].view(n, self.num_kv_heads, hd))
+            q = attn.q_norm(qkv[:, :q_size].view(n, nh, hd))
+            k = attn.k_norm(qkv[:, q_size:qk_size].view(n, nkv, hd))
             q = q * cos + rotate_half(q) * sin  # (N, nh, hd)
             k = k * cos + rotate_half(k) * sin  # (N, nkv, hd)
         else:  # one rotary over the Q and K heads together
-            qk = qkv[:, :qk_size].view(n, nh + self.num_kv_heads, hd)
+            qk = qkv[:, :qk_size].view(n, nh + nkv, hd)
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk[:, :nh], qk[:, nh:]
-        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
-        k_cache.view(-1, self.num_kv_heads, hd).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, hd).index_copy_(0, meta.slot_mapping, v)
-        prefill_masks, decode_mask = masks[self.windows[layer_idx]]
-        out = q.new_empty((n, nh, hd))
-        for i, mask in zip(meta.prefill_indices, prefill_masks, strict=True):
-            self._prefill(i, q, k, v, k_cache, v_cache, meta, mask, attn.scaling, out)
-        if decode_mask is not None:
-            self._decode(q, k_cache, v_cache, meta, decode_mask, attn.scaling, out)
-        return self.linears[layer_idx].o_proj(out.view(n, self.q_size))  # (N, H)
-
-    def _prefill(
-        self,
-        i: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        mask: torch.Tensor | None,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        """Sequence `i`'s new tokens against its whole context (causal over the new ones)."""
-        start = meta.query_starts[i]
-        stop = start + meta.seqlens_q[i]
-        ctx = meta.seqlens_k[i]
-        if ctx == stop - start:  # nothing cached before: the fresh K/V are the context
-            keys, values = k[start:stop], v[start:stop]  # (L, nkv, hd)
-        else:
-            keys, values = self._gather(k_cache, v_cache, meta.block_tables[i], ctx)
-        o = F.scaled_dot_product_attention(
-            q[start:stop].transpose(0, 1)[None],  # (1, nh, L, hd)
-            keys.transpose(0, 1)[None],  # (1, nkv, C, hd)
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )  # (1, nh, L, hd)
-        out[start:stop] = o[0].transpose(0, 1)
-
-    def _gather(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, ctx: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `ctx` K and V slots of one sequence, each (C, nkv, hd)."""
-        num_blocks = -(-ctx // self.kv_cache.block_size)
-        blocks = block_table[:num_blocks]
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        return k_cache[blocks].view(shape)[:ctx], v_cache[blocks].view(shape)[:ctx]
-
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        mask: torch.Tensor,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        """Every one-new-token sequence at once, over block-padded contexts with a mask."""
-        dec = meta.decode_indices
-        rows = meta.cu_seqlens_q[dec]  # (D,) the decode tokens' flat rows
-        blocks = meta.block_tables[dec, : meta.decode_max_blocks].reshape(-1)  # (D * nb,)
-        shape = (dec.shape[0], -1, self.num_kv_heads, self.head_dim)
-        # NOTE: index_select on the block dim copies about 1.5x faster than 2-D indexing
-        keys = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # (D, nkv, S, hd)
-        values = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
-        # NOTE: the g = nh / nkv query heads sharing a KV head act as g query rows against
-        # it (GQA maps head h to KV head h // g), so K/V are never expanded to nh heads;
-        # one new token has no causal order among its rows, only the padding/window mask.
-        group = self.num_heads // self.num_kv_heads
-        o = F.scaled_dot_product_attention(
-            q[rows].view(-1, self.num_kv_heads, group, self.head_dim),  # (D, nkv, g, hd)
-            keys,
-            values,
-            attn_mask=mask,  # (D, 1, 1, nb * bs)
-            scale=scale,
-        )  # (D, nkv, g, hd)
-        out[rows] = o.reshape(-1, self.num_heads, self.head_dim)
-
-    def _masks(
-        self, meta: AttentionMetadata, window: int | None
-    ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-        """Boolean attention masks (True = attend) for one sliding window (None = full).
-
-        One per prefill sequence, None where plain causal attention over fresh K/V suffices,
-        and one (D, 1, 1, S) mask for the batched decodes (None when there are none).
-        """
-        device = meta.slot_mapping.device
-        prefill: list[torch.Tensor | None] = []
-        for i in meta.prefill_indices:
-            q_len, ctx = meta.seqlens_q[i], meta.seqlens_k[i]
-            if ctx == q_len and window is None:
-                prefill.append(None)
-                continue
-            k_pos = torch.arange(ctx, device=device)
-            q_pos = k_pos[ctx - q_len :, None]  # (L, 1)
-            allowed = k_pos[None, :] <= q_pos  # (L, C)
-            if window is not None:
-                allowed &= k_pos[None, :] > q_pos - window
-            prefill.append(allowed)
-        if meta.decode_indices.numel() == 0:
-            return prefill, None
-        span = meta.decode_max_blocks * self.kv_cache.block_size
-        k_pos = torch.arange(span, device=device)[None, :]  # (1, S)
-        ctx_lens = meta.context_lens[meta.decode_indices][:, None]  # (D, 1)
-        allowed = k_pos < ctx_lens  # (D, S)
-        if window is not None:
-            allowed &= k_pos > ctx_lens - 1 - window
-        return prefill, allowed[:, None, None, :]  # (D, 1, 1, S)
+        self.attention.write_kv(layer_idx, k, v, meta)
+        out = self.attention.attend(layer_idx, q, k, v, meta)  # (N, nh, hd)
+        return self.linears[layer_idx].o_proj(out.view(n, q_size))  # (N, H)

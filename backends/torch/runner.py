@@ -4,49 +4,46 @@ Construct it either from a model reference::
 
     TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
                       kv_cache_fraction=None, block_size=16, max_model_len=None,
-                      max_num_seqs=256, prepack_weights=True)
+                      max_num_seqs=256, prepack_weights=True, attention_backend="auto",
+                      compile=False)
 
 or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
 
     TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
                  kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256,
-                 prepack_weights=True)
+                 prepack_weights=True, attention_backend="auto", compile=False)
 
 `device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
-bf16 on cuda and fp32 on cpu. The model is moved and cast in place. KV sizing: see kv_cache.py
-(`max_num_seqs` only caps the KV cache: it never holds more than that many full contexts).
+bf16 on cuda and on a CPU with AMX or AVX512-BF16, else fp32 (`default_dtype`); a model handed
+in on CPU without a dtype keeps its own. The model is moved and cast in place. KV sizing: see
+kv_cache.py (`max_num_seqs` only caps the KV cache: it never holds more than that many full
+contexts).
 `prepack_weights`: on CPU, matmuls with few rows go through oneDNN-prepacked weights (an
 extra copy of the weights; see packed.py); False keeps one copy and plain `F.linear`.
+`attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, `inductor_paged`);
+`auto` is `sdpa` (see attention/__init__.py). `compile`: the dense part of every decoder
+layer runs through one torch.compile'd graph (dense.py; eager without a C++ compiler).
+Compiled kernels are built here, at construction (logged), never on a request's path.
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from backends.torch.attention import AUTO
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
+from backends.torch.inputs import ModelInput, prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import DEFAULT_MODEL, check_architecture, load_model
-from backends.torch.model import AttentionMetadata, PagedCausalLM
+from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.sampler import Sampler
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
-from schedulers.block_manager import blocks_for
 
 DEFAULT_MAX_NUM_SEQS = 256
-
-
-@dataclass(frozen=True)
-class ModelInput:
-    """One iteration's flat inputs: every scheduled token of every sequence, concatenated."""
-
-    input_ids: torch.Tensor  # (N,) int64
-    positions: torch.Tensor  # (N,) int64
-    meta: AttentionMetadata
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -55,9 +52,22 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16), not emulated."""
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on cuda and on a CPU with native bf16 (docs/benchmarks.md, issue 15), else fp32."""
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, dtype.removeprefix("torch."), None)
@@ -94,10 +104,14 @@ class TorchBackend(Backend):
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prepack_weights: bool = True,
+        attention_backend: str = AUTO,
+        compile: bool = False,
     ) -> None:
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        # NOTE: on CPU a model handed in without a dtype keeps its own (loaders already chose)
+        keep = dtype is None and self.device.type == "cpu"
+        self.dtype = model.dtype if keep else resolve_dtype(dtype, self.device)
         # in place, like nn.Module.to; transformers' decorator hides the signature from mypy
         model.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         self.hf_model = model.eval()
@@ -105,17 +119,23 @@ class TorchBackend(Backend):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.eos_token_ids = eos_token_ids_of(model, tokenizer)
-        layout = KVLayout(
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=model.model.layers[0].self_attn.head_dim,
+        specs = attention_specs(model)
+        kv_layout = KVLayout(
+            num_layers=len(specs),
+            num_kv_heads=specs[0].num_kv_heads,
+            head_dim=specs[0].head_dim,
             block_size=block_size,
             dtype=self.dtype,
         )
         budget = kv_budget_bytes(self.device, kv_cache_gb, kv_cache_fraction)
-        num_blocks = self._num_kv_blocks(layout, budget, max_num_seqs)  # TP: the ranks agree
-        self.kv_cache = KVCache(layout, num_blocks, self.device)
-        self.model = PagedCausalLM(model, self.kv_cache, prepack=prepack_weights)
+        num_blocks = self._num_kv_blocks(kv_layout, budget, max_num_seqs)  # TP: the ranks agree
+        self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
+        self.model = PagedCausalLM(
+            model, self.kv_cache, prepack=prepack_weights, attention_backend=attention_backend
+        )
+        self.model.attention.warm_up()
+        if compile and self.model.compilable():
+            self.model.enable_compiled()
         self.sampler = Sampler(config.vocab_size, self.device, max_num_seqs)
 
     @classmethod
@@ -131,6 +151,8 @@ class TorchBackend(Backend):
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prepack_weights: bool = True,
+        attention_backend: str = AUTO,
+        compile: bool = False,
     ) -> TorchBackend:
         """Load `model` (see loader.py for what a reference may be) onto `device`.
 
@@ -152,6 +174,8 @@ class TorchBackend(Backend):
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 prepack_weights=prepack_weights,
+                attention_backend=attention_backend,
+                compile=compile,
             )
 
         return call_on_own_thread(build, "carousel-load")
@@ -188,51 +212,11 @@ class TorchBackend(Backend):
         token of `batch.seqs[rows]` (every sequence when `rows` is None)."""
         inputs = self.prepare(batch)
         indices = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, indices).float()
+        return self.model(inputs.input_ids, inputs.positions, inputs.layout, indices).float()
 
     def prepare(self, batch: Batch) -> ModelInput:
-        """Flatten `batch` into token ids, positions and attention metadata on the device."""
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        q_lens = batch.num_scheduled_tokens
-        ctx_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
-        token_ids = list(
-            itertools.chain.from_iterable(
-                seq.token_ids(s, c) for seq, s, c in zip(batch.seqs, starts, ctx_lens, strict=True)
-            )
-        )
-        bs = self.kv_cache.block_size
-        widths = [blocks_for(c, bs) for c in ctx_lens]
-        width = max(widths)
-        tables = [
-            seq.block_table[:w] + [0] * (width - w)
-            for seq, w in zip(batch.seqs, widths, strict=True)
-        ]
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        query_starts = tuple(itertools.accumulate(q_lens, initial=0))
-        q_len_t = torch.tensor(q_lens)
-        cu_seqlens_q = torch.tensor(query_starts)  # (B + 1,)
-        block_tables = torch.tensor(tables)  # (B, width)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_len_t)  # (N,)
-        offsets = torch.tensor(starts) - cu_seqlens_q[:-1]  # (B,) position minus flat row
-        positions = torch.arange(len(token_ids)) + offsets[seq_of_token]  # (N,)
-        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(
-            cu_seqlens_q=cu_seqlens_q.to(self.device),
-            context_lens=torch.tensor(ctx_lens, device=self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            block_tables=block_tables.to(self.device),
-            query_starts=query_starts[:-1],
-            seqlens_q=tuple(q_lens),
-            seqlens_k=tuple(ctx_lens),
-            decode_indices=torch.tensor(decodes, dtype=torch.long, device=self.device),
-            decode_max_blocks=max((widths[i] for i in decodes), default=0),
-            prefill_indices=tuple(i for i, n in enumerate(q_lens) if n > 1),
-        )
-        return ModelInput(
-            input_ids=torch.tensor(token_ids, device=self.device),
-            positions=positions.to(self.device),
-            meta=meta,
-        )
+        """Flatten `batch` into token ids, positions and attention layout on the device."""
+        return prepare_inputs(batch, self.kv_cache.block_size, self.device)
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)

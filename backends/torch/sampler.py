@@ -13,9 +13,11 @@ Per row, in order (vLLM / OpenAI semantics):
      with the last kept one are kept), and one token is drawn by inverting the row's CDF at
      a uniform from the sequence's own CPU `torch.Generator`.
 
-Logprobs (the sampled token's, and the top alternatives when asked) are those of
-`log_softmax` of the logits after steps 1-3b: after bias, penalties and the grammar, before
-temperature, top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of `-inf`.
+Logprobs (the sampled token's, and the top alternatives when asked) are computed only for
+rows whose params ask for them (`logprobs` not None; the others' `logprob` is NaN), and are
+those of `log_softmax` of the logits after steps 1-3b: after bias, penalties and the grammar,
+before temperature, top-k, top-p and min-p. Masked tokens (`-inf` logits) get a logprob of
+`-inf`.
 """
 
 from __future__ import annotations
@@ -77,16 +79,24 @@ class Sampler:
             tokens = logits.argmax(dim=-1)  # [B]
         else:
             tokens = self._pick(logits, seqs)
-        # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
-        # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks.md)
-        log_probs = logits.log_softmax(dim=-1)  # [B, V]
-        token_logprobs = log_probs.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
-        tops = _top_logprobs(log_probs, params)
+        token_ids = tokens.tolist()
+        logprobs = [math.nan] * len(seqs)
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:  # NOTE: a full-vocab log_softmax costs more than the argmax: only where asked
+            rows = torch.tensor(wanted, device=logits.device) if len(wanted) < len(seqs) else None
+            asked = logits if rows is None else logits[rows]  # [R, V]
+            # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
+            # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks.md)
+            log_probs = asked.log_softmax(dim=-1)  # [R, V]
+            picked = tokens if rows is None else tokens[rows]
+            values = log_probs.gather(-1, picked[:, None]).squeeze(-1)  # [R]
+            asked_tops = _top_logprobs(log_probs, [params[i] for i in wanted])
+            for i, value, top in zip(wanted, values.tolist(), asked_tops, strict=True):
+                logprobs[i], tops[i] = value, top
         return [
             TokenLogprob(token_id, logprob, top)
-            for token_id, logprob, top in zip(
-                tokens.tolist(), token_logprobs.tolist(), tops, strict=True
-            )
+            for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True)
         ]
 
     def release(self, seq_id: int) -> None:

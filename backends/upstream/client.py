@@ -169,6 +169,45 @@ class UpstreamClient:
             self._pool.release(index)
             await response.aclose()
 
+    async def lookup(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """A request without a body (GET or DELETE of a stored object): the JSON object of
+        the first replica that does not answer 404.
+
+        Each replica keeps its own objects (a Carousel's response store), so a 404 moves on
+        to the next one; only when every replica answered 404 is that 404 raised. Any other
+        error of a replica is raised at once (`UpstreamError`).
+        """
+        http = self._client()
+        missing: UpstreamError | None = None
+        for index in range(len(self._pool)):
+            url = _join(self._base_urls[index], path)
+            try:
+                response = await http.request(
+                    method, url, params=params, headers=_forwarded_headers(headers)
+                )
+            except httpx.HTTPError as exc:
+                raise self._send_error(exc) from None
+            if response.status_code == 404:
+                missing = errors.error_from_client_error(404, response.content)
+                continue
+            if response.status_code >= 400:
+                raise errors.error_from_client_error(response.status_code, response.content)
+            try:
+                data = response.json()
+            except ValueError:
+                raise errors.bad_response("upstream returned a body that is not JSON") from None
+            if not isinstance(data, dict):
+                raise errors.bad_response("upstream returned JSON that is not an object")
+            return cast(dict[str, Any], data)
+        assert missing is not None
+        raise missing
+
     async def check_health(self) -> None:
         """Probe every replica once and update its health (the background task's step)."""
         results = await asyncio.gather(*(self._probe(i) for i in range(len(self._pool))))

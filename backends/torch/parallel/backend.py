@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
+from backends.torch.attention import AUTO
 from backends.torch.kv_cache import KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import (
     DEFAULT_MODEL,
@@ -60,6 +61,7 @@ class LoadSpec:
     max_model_len: int | None
     max_num_seqs: int
     prepack_weights: bool
+    attention_backend: str = AUTO
 
 
 class TensorParallelBackend(TorchBackend):
@@ -92,6 +94,7 @@ class TensorParallelBackend(TorchBackend):
             max_model_len=spec.max_model_len,
             max_num_seqs=spec.max_num_seqs,
             prepack_weights=spec.prepack_weights,
+            attention_backend=spec.attention_backend,
         )
         parallelize(self.model, plan)
         # NOTE: the HF config holds the local sizes; the sampler sees the gathered vocabulary
@@ -116,9 +119,15 @@ class TensorParallelBackend(TorchBackend):
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         prepack_weights: bool = True,
+        attention_backend: str = AUTO,
+        compile: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> TensorParallelBackend:
-        """Start (or join) this process's group and load every rank's shard of `model`."""
+        """Start (or join) this process's group and load every rank's shard of `model`.
+
+        NOTE: `compile` is accepted and ignored: the ranks run the eager forward, whose
+        row-parallel linears all-reduce (layers.py).
+        """
         source = resolve_model(model)
         if not is_hf_dir(Path(source)):
             source = download(source)
@@ -140,6 +149,7 @@ class TensorParallelBackend(TorchBackend):
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 prepack_weights=prepack_weights,
+                attention_backend=attention_backend,
             )
             with group.exchange():
                 group.send(Kind.LOAD, spec.instance_id)
@@ -212,7 +222,7 @@ class TensorParallelBackend(TorchBackend):
     def run_step(self, step: FlatStep) -> torch.Tensor:
         """This rank's part of one forward (the logits are whole on rank 0 only)."""
         inputs, rows = step.model_input(self.kv_cache.block_size, self.device)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, rows)
+        return self.model(inputs.input_ids, inputs.positions, inputs.layout, rows)
 
     def describe_rank(self) -> dict[str, int]:
         """This rank's part: its KV cache (block count, own KV heads) and its shard sizes."""

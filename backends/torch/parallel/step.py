@@ -3,7 +3,8 @@
 Everything the forward needs is a few int64 arrays (what runner.py `prepare` builds): token
 ids, positions, slot mapping, cu_seqlens_q, context lengths, block tables and the rows to
 compute logits for. They travel as one int64 buffer behind a fixed-size header, and every
-rank (rank 0 included) rebuilds `AttentionMetadata` from them with the same code, so all
+rank (rank 0 included) rebuilds the `BatchLayout` from them with the same code as
+`prepare_inputs` (inputs.py `build_layout`), so all
 ranks run exactly the same forward over the same block ids.
 """
 
@@ -13,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.torch.model import AttentionMetadata
-from backends.torch.runner import ModelInput
-from schedulers.block_manager import blocks_for
+from backends.torch.inputs import ModelInput, build_layout
 
 #: header: [kind, instance id, tokens N, sequences B, block-table width W, logits rows R]
 HEADER_LEN = 6
@@ -35,14 +34,14 @@ class FlatStep:
 
     @classmethod
     def of(cls, inputs: ModelInput, rows: list[int] | None) -> FlatStep:
-        meta = inputs.meta
+        layout = inputs.layout
         return cls(
             input_ids=inputs.input_ids.cpu(),
             positions=inputs.positions.cpu(),
-            slot_mapping=meta.slot_mapping.cpu(),
-            cu_seqlens_q=meta.cu_seqlens_q.cpu(),
-            context_lens=meta.context_lens.cpu(),
-            block_tables=meta.block_tables.cpu(),
+            slot_mapping=layout.slot_mapping.cpu(),
+            cu_seqlens_q=layout.cu_seqlens_q.cpu(),
+            context_lens=layout.context_lens.cpu(),
+            block_tables=layout.block_tables.cpu(),
             logits_indices=None if rows is None else torch.tensor(rows, dtype=torch.long),
         )
 
@@ -89,25 +88,16 @@ class FlatStep:
         self, block_size: int, device: torch.device
     ) -> tuple[ModelInput, torch.Tensor | None]:
         """The forward's inputs on `device`, and its logits rows (None: every sequence)."""
-        cu = self.cu_seqlens_q.tolist()
-        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-        ctx_lens = self.context_lens.tolist()
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        widths = [blocks_for(ctx_lens[i], block_size) for i in decodes]
-        meta = AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens_q.to(device),
-            context_lens=self.context_lens.to(device),
-            slot_mapping=self.slot_mapping.to(device),
-            block_tables=self.block_tables.to(device),
-            query_starts=tuple(cu[:-1]),
-            seqlens_q=tuple(q_lens),
-            seqlens_k=tuple(ctx_lens),
-            decode_indices=torch.tensor(decodes, dtype=torch.long, device=device),
-            decode_max_blocks=max(widths, default=0),
-            prefill_indices=tuple(i for i, n in enumerate(q_lens) if n > 1),
+        layout = build_layout(
+            self.cu_seqlens_q,
+            self.context_lens,
+            self.slot_mapping,
+            self.block_tables,
+            block_size,
+            device,
         )
         inputs = ModelInput(
-            input_ids=self.input_ids.to(device), positions=self.positions.to(device), meta=meta
+            input_ids=self.input_ids.to(device), positions=self.positions.to(device), layout=layout
         )
         rows = None if self.logits_indices is None else self.logits_indices.to(device)
         return inputs, rows

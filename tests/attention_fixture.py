@@ -1,0 +1,49 @@
+"""The `engine_path` fixture: every way the CPU forward can run, each one test parameter.
+
+Each attention backend available on the CPU, eager, and `auto`'s backend with the compiled
+decoder layer (`compile=True`, backends/torch/dense.py) where a C++ compiler is there. For
+`inductor_paged` it lowers `MIN_PAGED_DECODES` to 1, so every decode of the small test
+batches runs through the compiled kernel (its SDPA fallback for few decodes is `sdpa`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from backends.torch import inductor
+from backends.torch.attention import AUTO, available_backends
+
+
+@dataclass(frozen=True)
+class EnginePath:
+    """The `TorchBackend` keyword arguments of one forward path."""
+
+    attention_backend: str
+    compile: bool
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"attention_backend": self.attention_backend, "compile": self.compile}
+
+    def __str__(self) -> str:
+        return f"{self.attention_backend}{'-compiled' if self.compile else ''}"
+
+
+ENGINE_PATHS = [EnginePath(name, False) for name in available_backends(torch.device("cpu"))]
+if inductor.compiler_available():
+    ENGINE_PATHS.append(EnginePath(AUTO, True))
+
+
+@pytest.fixture(name="engine_path", params=ENGINE_PATHS, ids=str)
+def engine_path_fixture(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> EnginePath:
+    path: EnginePath = request.param
+    if "inductor_paged" in available_backends(torch.device("cpu")):
+        from backends.torch.attention import inductor_paged
+
+        monkeypatch.setattr(inductor_paged, "MIN_PAGED_DECODES", 1)
+    return path
