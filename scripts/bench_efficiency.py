@@ -106,6 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
 
+    from backends.torch.device_thread import run_on_device_thread
     from backends.torch.runner import TorchBackend
 
     backend = TorchBackend.load("default", kv_cache_gb=1.0, max_model_len=1024)
@@ -119,7 +120,13 @@ def main() -> None:
             engine_decode_tok_s(backend, b, args.prompt_len, 4)  # warm-up
             runs: dict[str, list[float]] = {"hf": [], "bare": [], "http": []}
             for _ in range(args.repeats):  # interleaved, so drift hits all three alike
-                runs["hf"].append(hf_decode_tok_s(backend.hf_model, b, args.prompt_len, args.steps))
+                # NOTE: HF's forward on the device thread too: a second OpenMP pool on this
+                # thread would oversubscribe the cores and slow `bare` (docs/benchmarks.md)
+                runs["hf"].append(
+                    run_on_device_thread(
+                        hf_decode_tok_s, backend.hf_model, b, args.prompt_len, args.steps
+                    )
+                )
                 runs["bare"].append(engine_decode_tok_s(backend, b, args.prompt_len, args.steps))
                 runs["http"].append(
                     asyncio.run(http_decode_tok_s(url, model, b, args.prompt_len, args.steps))
