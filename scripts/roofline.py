@@ -40,6 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_forward import decode_step_times  # noqa: E402
 
+from backends.torch.device_thread import run_on_device_thread  # noqa: E402
 from backends.torch.runner import TorchBackend  # noqa: E402
 
 MATMUL_N = 2048
@@ -140,7 +141,9 @@ def main() -> None:
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
-    machine = Machine.measure(dtypes)
+    # NOTE: on the device thread, as the steps: a second OpenMP pool on this thread would
+    # oversubscribe the cores and slow every later step (docs/benchmarks.md)
+    machine = run_on_device_thread(Machine.measure, dtypes)
 
     backends: dict[tuple[str, torch.dtype], TorchBackend] = {}
     stats: dict[torch.dtype, tuple[int, int]] = {}
@@ -167,7 +170,7 @@ def main() -> None:
                     times[name, dtype, b].extend(steps)
         print(f"# repeat {repeat + 1}/{args.repeats} done, load {os.getloadavg()[0]:.2f}",
               flush=True)  # fmt: skip
-    machine = machine.best(Machine.measure(dtypes))
+    machine = machine.best(run_on_device_thread(Machine.measure, dtypes))
 
     print(f"read bandwidth {machine.bandwidth / 1e9:.1f} GB/s; matmul peak "
           + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in machine.peak.items()))  # fmt: skip
