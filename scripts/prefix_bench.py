@@ -35,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_bench import PY, ROOT, SERVED, free_port, start, stop  # noqa: E402
+from reference_bench import (  # noqa: E402
+    PY,
+    ROOT,
+    SERVED,
+    free_port,
+    load,
+    replace_section,
+    start,
+    stop,
+)
 
 ARMS = ("cache-on", "cache-off")
 HEADER = "## Prefix caching on against off (`scripts/prefix_bench.py`)"
@@ -47,8 +56,7 @@ def bench(args: list[str], commands: list[str]) -> dict[str, dict[str, Any]]:
     commands.append(shlex.join(["carousel", "bench", *cmd[3:]]))
     print("$", commands[-1], flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    out = Path(args[args.index("--out") + 1])
-    report = json.loads((out / "report.json").read_text())
+    report = load(Path(args[args.index("--out") + 1]))
     return {run["arm"]: run for run in report["runs"]}
 
 
@@ -198,17 +206,7 @@ def write_doc(
             "",
         ]
     lines += ["Commands:", "", "```", *commands, "```", ""]
-    section = "\n".join(lines)
-    doc: Path = args.doc
-    text = doc.read_text()
-    begin = text.find(HEADER + "\n")
-    if begin >= 0:
-        end = text.find("\n## ", begin + 5)
-        text = text[:begin] + section + (text[end + 1 :] if end >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    doc.write_text(text)
-    print(f"wrote {doc}")
+    replace_section(args.doc, HEADER, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -254,6 +254,12 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
         ]
     lines += ["", "Commands:", "", "```", *commands, "```", ""]
     section = "\n".join(lines)
+    replace_section(doc, header, section)
+
+
+def replace_section(doc: Path, header: str, section: str) -> None:
+    """Write `section` into `doc` in place of the `## ` section that starts with `header`
+    (up to the next `## `), or at its end when there is none yet."""
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     start = text.find(header + "\n")
     if start >= 0:
