@@ -29,19 +29,10 @@ from schedulers.structured_output import (
     GrammarSpec,
     SequenceGrammar,
 )
+from tests.schemas import PERSON
 
 pytestmark = pytest.mark.real_model
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-    },
-    "required": ["name", "age", "role"],
-}
 WEATHER = {
     "type": "function",
     "function": {

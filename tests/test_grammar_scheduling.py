@@ -48,6 +48,7 @@ from schedulers.structured_output import (
     GrammarSpec,
     SequenceGrammar,
 )
+from tests.schemas import PERSON
 from tests.test_scheduler import ids, make_scheduler, make_seq
 from tests.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
@@ -467,16 +468,6 @@ def test_a_backend_that_cannot_mask_refuses_a_grammar(compiled: CompiledGrammar)
 
 # -- the engine over the default model --------------------------------------------------------
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-    },
-    "required": ["name", "age", "role"],
-}
 QUESTIONS = [
     "Describe a fictional person as JSON.",
     "Who is the admin of this website? Answer in JSON.",
