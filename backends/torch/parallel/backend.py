@@ -172,6 +172,8 @@ class TensorParallelBackend(TorchBackend):
         Two phases, each ending in one all-gather, so a failure on one rank never leaves the
         others waiting in a collective: the shard and the KV blocks it leaves room for, then
         the cache (the least of the ranks' counts, so block ids mean the same everywhere).
+        Before each all-gather the ranks meet in the store (`Channel.meet`): loading may take
+        far longer than the collective timeout.
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         shard: Any = None
@@ -183,6 +185,7 @@ class TensorParallelBackend(TorchBackend):
             status: tuple[int, str | None] = (_kv_blocks_that_fit(shard, spec, device, dtype), None)
         except Exception as exc:
             status = (0, f"rank {rank}: {exc!r}")
+        channel.meet(f"load/{spec.instance_id}/shard")
         statuses = channel.all_gather(status)
         errors = "; ".join(e for _, e in statuses if e)
         if errors:
@@ -202,6 +205,7 @@ class TensorParallelBackend(TorchBackend):
             failure = None
         except Exception as exc:
             failure = f"rank {rank}: {exc!r}"
+        channel.meet(f"load/{spec.instance_id}/cache")
         errors = "; ".join(e for e in channel.all_gather(failure) if e)
         if errors:
             return None, errors

@@ -3,16 +3,22 @@
 A fixed header `[kind, instance, N, B, W, R]` (step.py) announces each message; a STEP is
 followed by its flat int64 buffer, a LOAD by its pickled spec, a DESCRIBE by an all-gather
 of each rank's description, a HEARTBEAT by an all-reduce of one number.
+
+Slow work (a worker getting ready to serve, each rank loading its shard) ends in `meet`: the
+ranks wait for each other in the rendezvous store, up to the start timeout, so the group's
+short collective timeout never has to cover a load on a busy machine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from backends.torch.parallel.rendezvous import meet
 from backends.torch.parallel.step import HEADER_LEN
 
 
@@ -30,8 +36,22 @@ class Kind(IntEnum):
 class Channel:
     """Rank 0's and the workers' side of the control protocol (same calls, same order)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(
+        self,
+        group: Any,
+        store: Any,
+        start_timeout_s: float,
+        failed: Callable[[], str | None] | None = None,
+    ) -> None:
         self.group = group
+        self.store = store
+        self.start_timeout_s = start_timeout_s
+        self.failed = failed
+
+    def meet(self, name: str) -> None:
+        """Wait until every rank has reached `name` (a new name each time; see module doc)."""
+        meet(self.store, name, dist.get_rank(), dist.get_world_size(), self.start_timeout_s,
+             self.failed)  # fmt: skip
 
     def header(self, values: list[int] | None = None) -> list[int]:
         """Rank 0 sends `values`; every other rank receives them."""

@@ -9,7 +9,7 @@ which is how several nodes join. Each non-zero rank runs worker.py's loop.
 
 Rank 0 talks to the others over the control group (channel.py; rendezvous.py forms the
 group). A HEARTBEAT (an all-reduce of one number) goes out whenever rank 0 has been quiet
-for `heartbeat_s`, so a worker never waits longer than that for a header while rank 0
+for `heartbeat_s` (1 s, or a quarter of the timeout when that is shorter), so a worker never waits longer than that for a header while rank 0
 lives, and rank 0 hears of a hung worker within `timeout_s` even with no traffic.
 
 Faults: a spawned rank that exits is seen at once (process sentinels); a collective that
@@ -60,7 +60,7 @@ class TensorParallelGroup:
         device_type: str,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        heartbeat_s: float | None = None,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     ) -> None:
         if dist.is_initialized():
@@ -68,7 +68,8 @@ class TensorParallelGroup:
         self.world_size = world_size
         self.device_type = device_type
         self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
+        # NOTE: well inside the timeout, or an idle worker's wait for a header times out
+        self.heartbeat_s = heartbeat_s or min(DEFAULT_HEARTBEAT_S, timeout_s / 4)
         self.start_timeout_s = start_timeout_s
         self.dead_reason: str | None = None
         self.processes: list[Any] = []  # spawned ranks 1..n-1 (empty when started elsewhere)
@@ -80,7 +81,11 @@ class TensorParallelGroup:
         self._threads: list[threading.Thread] = []
         self._store: Any = None  # NOTE: rank 0 may serve the store: keep it for the group's life
         self.device = self._start()
-        self.channel = Channel(control_group(device_type, self._timeout))
+        self.channel = Channel(
+            control_group(device_type, self._timeout), self._store, start_timeout_s,
+            failed=self._exited_reason,
+        )  # fmt: skip
+        self.channel.meet("serving")  # every worker is in its loop, reading headers
         self.refs = 0
         for target in (self._monitor, self._heartbeats):
             thread = threading.Thread(target=target, name="carousel-tp-" + target.__name__[1:])

@@ -57,6 +57,43 @@ def environment_store(start_timeout_s: float) -> Any:
     )  # fmt: skip
 
 
+def _prefix() -> str:
+    return f"carousel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def meet(
+    store: Any,
+    name: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    failed: Callable[[], str | None] | None = None,
+    value: str = "",
+) -> list[str]:
+    """Wait in the store (up to `timeout_s`) until every rank has reached `name`.
+
+    The ranks meet here before a collective that follows slow work (starting, loading a
+    shard), so the group's own short timeout only ever covers the collective itself. Each
+    call's `name` must be new (a key once set stays). `failed()` says why to stop waiting
+    (a rank has exited); it returns the meeting's keys, in rank order, which hold `value`.
+    """
+    keys = [f"{_prefix()}/{name}/{r}" for r in range(world_size)]
+    store.set(keys[rank], value)
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        reason = failed() if failed is not None else None
+        if reason is not None:
+            raise RuntimeError(f"a tensor-parallel rank failed before {name!r}: {reason}")
+        if time.monotonic() > deadline:
+            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+            raise TimeoutError(
+                f"tensor-parallel ranks {', '.join(missing)} did not reach {name!r} within "
+                f"{timeout_s:.0f} s"
+            )
+        time.sleep(0.05)
+    return keys
+
+
 def join_group(
     store: Any,
     rank: int,
@@ -75,27 +112,13 @@ def join_group(
         # NOTE: on a timed-out or failed NCCL collective, abort the communicator and raise (2)
         # rather than kill the process (torch's default): the server may hold other arms
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    prefix = f"carousel/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store.set(f"{prefix}/ready/{rank}", device_type)
-    keys = [f"{prefix}/ready/{r}" for r in range(world_size)]
-    deadline = time.monotonic() + start_timeout_s
-    while not store.check(keys):
-        reason = failed() if failed is not None else None
-        if reason is not None:
-            raise RuntimeError(f"a tensor-parallel rank failed to start: {reason}")
-        if time.monotonic() > deadline:
-            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
-            raise TimeoutError(
-                f"tensor-parallel ranks {', '.join(missing)} did not join within "
-                f"{start_timeout_s:.0f} s"
-            )
-        time.sleep(0.05)
+    keys = meet(store, "ready", rank, world_size, start_timeout_s, failed, value=device_type)
     devices = [store.get(k).decode() for k in keys]
     if len(set(devices)) > 1:
         raise ValueError(f"the ranks disagree on the device type: {devices} (rank order)")
     dist.init_process_group(
         dist_backend(device_type),
-        store=dist.PrefixStore(f"{prefix}/group", store),
+        store=dist.PrefixStore(f"{_prefix()}/group", store),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -71,14 +71,21 @@ def run_spawned(
         timeout=datetime.timedelta(seconds=start_timeout_s),
     )  # fmt: skip
     join_group(store, rank, world_size, device_type, timeout_s, start_timeout_s)
-    serve(device, device_type, datetime.timedelta(seconds=timeout_s))
+    serve(device, device_type, datetime.timedelta(seconds=timeout_s), store, start_timeout_s)
 
 
-def serve(device: torch.device, device_type: str, timeout: datetime.timedelta) -> None:
+def serve(
+    device: torch.device,
+    device_type: str,
+    timeout: datetime.timedelta,
+    store: Any,
+    start_timeout_s: float,
+) -> None:
     """Obey rank 0 until SHUTDOWN (a failed collective raises and ends the process)."""
     from backends.torch.parallel.backend import LoadSpec, TensorParallelBackend
 
-    channel = Channel(control_group(device_type, timeout))
+    channel = Channel(control_group(device_type, timeout), store, start_timeout_s)
+    channel.meet("serving")  # NOTE: after the slow imports, so rank 0's first header is safe
     instances: dict[int, Any] = {}
     while True:
         kind, instance, *sizes = channel.header()
@@ -131,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     store = environment_store(args.start_timeout_s)
     world_size = int(os.environ["WORLD_SIZE"])
     join_group(store, rank, world_size, device_type, args.timeout_s, args.start_timeout_s)
-    serve(device, device_type, datetime.timedelta(seconds=args.timeout_s))
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    serve(device, device_type, timeout, store, args.start_timeout_s)
     return 0
 
 
