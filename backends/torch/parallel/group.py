@@ -9,8 +9,9 @@ which is how several nodes join. Each non-zero rank runs worker.py's loop.
 
 Rank 0 talks to the others over the control group (channel.py; rendezvous.py forms the
 group). A HEARTBEAT (an all-reduce of one number) goes out whenever rank 0 has been quiet
-for `heartbeat_s` (1 s, or a quarter of the timeout when that is shorter), so a worker never waits longer than that for a header while rank 0
-lives, and rank 0 hears of a hung worker within `timeout_s` even with no traffic.
+for `heartbeat_s` (1 s, or a quarter of the timeout when that is shorter), so a worker
+never waits longer than that for a header while rank 0 lives, and rank 0 hears of a hung
+worker within `timeout_s` even with no traffic.
 
 Faults: a spawned rank that exits is seen at once (process sentinels); a collective that
 fails or times out (`timeout_s`) is fatal too. Either way the group is dead for good:
