@@ -21,6 +21,7 @@ import warnings
 import torch
 from transformers import DynamicCache
 
+from backends.torch.device_thread import run_on_device_thread
 from backends.torch.runner import TorchBackend
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
@@ -128,7 +129,7 @@ def main() -> None:
     model = backend.hf_model
     plain = None
     if args.compare_prepack:
-        plain = TorchBackend(
+        plain = TorchBackend.create(
             model, backend.tokenizer, device=args.device, dtype=args.dtype, kv_cache_gb=1.0,
             max_model_len=1024, prepack_weights=False,
         )  # fmt: skip
@@ -141,7 +142,11 @@ def main() -> None:
             engine_decode_tok_s(plain, b, args.prompt_len, 4)
         runs: dict[str, list[float]] = {"hf": [], "engine": [], "plain": []}
         for _ in range(args.repeats):  # interleaved: drift hits every column alike
-            runs["hf"].append(hf_decode_tok_s(model, b, args.prompt_len, args.steps))
+            # NOTE: HF's forward on the device thread too: a second OpenMP pool on this thread
+            # would slow every later step (TorchBackend.create)
+            runs["hf"].append(
+                run_on_device_thread(hf_decode_tok_s, model, b, args.prompt_len, args.steps)
+            )
             runs["engine"].append(engine_decode_tok_s(backend, b, args.prompt_len, args.steps))
             if plain is not None:
                 runs["plain"].append(engine_decode_tok_s(plain, b, args.prompt_len, args.steps))

@@ -152,7 +152,7 @@ def main() -> None:
                                  max_model_len=1024)  # fmt: skip
         stats[dtype] = weight_stats(base.hf_model)
         for name, kwargs in variants:
-            backends[name, dtype] = base if not kwargs else TorchBackend(
+            backends[name, dtype] = base if not kwargs else TorchBackend.create(
                 base.hf_model, base.tokenizer, device="cpu", dtype=dtype, kv_cache_gb=1.0,
                 max_model_len=1024, **kwargs,
             )  # fmt: skip

@@ -44,7 +44,7 @@ def main() -> None:
                              max_model_len=512, **first_kwargs)  # fmt: skip
     backends = {first_name: base}
     for name, kwargs in variants[1:]:
-        backends[name] = TorchBackend(base.hf_model, base.tokenizer, device="cpu",
+        backends[name] = TorchBackend.create(base.hf_model, base.tokenizer, device="cpu",
                                       dtype=args.dtype, kv_cache_gb=0.6, max_model_len=512,
                                       **kwargs)  # fmt: skip
     for batch in (int(b) for b in args.batch_sizes.split(",")):

@@ -139,6 +139,17 @@ class TorchBackend(Backend):
         self.sampler = Sampler(config.vocab_size, self.device, max_num_seqs)
 
     @classmethod
+    def create(cls, model: PreTrainedModel, tokenizer: Any, **kwargs: Any) -> TorchBackend:
+        """`cls(model, tokenizer, **kwargs)` built on a thread of its own that exits (as `load`).
+
+        Building on a long-lived thread (a script's main thread) leaves an OpenMP pool there
+        that spins against the device thread's: every later step of every backend in the
+        process ran about 1.7x slower after one backend was built on the main thread
+        (docs/benchmarks.md, issue 15).
+        """
+        return call_on_own_thread(lambda: cls(model, tokenizer, **kwargs), "carousel-build")
+
+    @classmethod
     def load(
         cls,
         model: str = DEFAULT_MODEL,
