@@ -7,9 +7,12 @@ calling `_linear_pointwise` is much faster at decode sizes. Measured on the 2-co
 with SmolLM2 shapes (us per call, plain -> packed):
 
 - bf16, hint 1: 1 row 67 -> 34, 64 rows 122 -> 69; lm_head 2.0 -> 1.2 ms. Bit-identical.
-- fp32, hint 16: 1 row 40 -> 55 (so fp32 keeps `F.linear` below 8 rows), 16 rows
-  188 -> 137, 32 rows 564 -> 256 (down_proj). Another blocking, so another summation order:
-  equal to `F.linear` within 1e-5, not bitwise.
+- fp32, hint 16: 16 rows 188 -> 137, 32 rows 564 -> 256 (down_proj). Another blocking, so
+  another summation order: equal to `F.linear` within 1e-5, not bitwise. One weight alone
+  in cache, 1 row read 40 -> 55 us; but a decode step streams every weight from memory, and
+  there, on the 2-core AVX512-BF16 EPYC (all 151 SmolLM2 projections in turn, cold), `F.linear`
+  reads 16 GB/s and the packed path 52 GB/s: 1 row 32.3 -> 10.3 ms, 8 rows 52.6 -> 14.7 ms,
+  64 rows 133 -> 48 ms (issue 15). So fp32 packs from 1 row too.
 
 With many rows (prefill) the plain path is as fast or faster, so calls outside a plan's row
 window take it. The packed copy is extra memory (one more copy of every projection and of
@@ -34,11 +37,11 @@ class PackPlan:
     batch_hint: int  # the batch size oneDNN packs the weight for
 
 
-#: measured on the 2-core AMX CPU with SmolLM2 shapes (see the module docstring)
+#: measured on the 2-core CPUs with SmolLM2 shapes (see the module docstring)
 _PLANS = {
     torch.bfloat16: PackPlan(min_rows=1, max_rows=128, batch_hint=1),
     torch.float16: PackPlan(min_rows=1, max_rows=128, batch_hint=1),
-    torch.float32: PackPlan(min_rows=8, max_rows=128, batch_hint=16),
+    torch.float32: PackPlan(min_rows=1, max_rows=128, batch_hint=16),
 }
 
 
