@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -62,36 +63,59 @@ def start_server(port: int, max_num_seqs: int, extra: list[str]) -> subprocess.P
     raise RuntimeError("carousel serve did not become ready")
 
 
-async def one_stream(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], steps: int
-) -> list[float]:
-    """Arrival times of every streamed token of one completion."""
-    body = {
+async def one_stream(port: int, model: str, prompt: list[int], steps: int) -> list[float]:
+    """Arrival times of every streamed token of one completion.
+
+    NOTE: a lean client (HTTP/1.0 over a plain socket, one `bytes.split` per read; uvicorn
+    still frames chunks, whose size lines land before each `data:`), because it shares the
+    2 cores with the server it measures; the report prints its own CPU share.
+    """
+    body = json.dumps({
         "model": model, "prompt": prompt, "max_tokens": steps, "temperature": 0,
         "ignore_eos": True, "stream": True,
-    }  # fmt: skip
+    }).encode()  # fmt: skip
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.0\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+        b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    )
+    await writer.drain()
+    head, _, pending = (await reader.readuntil(b"\r\n\r\n")).partition(b"\r\n\r\n")
+    if not head.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
+        raise RuntimeError(f"{head.decode(errors='replace')}: {(await reader.read()).decode()}")
     times: list[float] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"] is not None:
-                    times.append(time.perf_counter())
+    while data := await reader.read(1 << 16):
+        now = time.perf_counter()
+        *events, pending = (pending + data).split(b"\n\n")
+        # a token's chunk has a choice; the usage chunk's choices are empty
+        times.extend(now for e in events if b"data: {" in e and b'"choices":[]' not in e)
+    writer.close()
     return times
 
 
-async def http_decode_tok_s(url: str, model: str, batch: int, prompt_len: int, steps: int) -> float:
-    limits = httpx.Limits(max_connections=batch + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        prompts = [
-            [(100 + 7 * i + j) % 1000 + 100 for j in range(prompt_len)] for i in range(batch)
-        ]
-        streams = await asyncio.gather(*(one_stream(client, url, model, p, steps) for p in prompts))
+async def http_decode_tok_s(
+    port: int, model: str, batch: int, prompt_len: int, steps: int
+) -> float:
+    prompts = [[(100 + 7 * i + j) % 1000 + 100 for j in range(prompt_len)] for i in range(batch)]
+    streams = await asyncio.gather(*(one_stream(port, model, p, steps) for p in prompts))
     start = max(s[0] for s in streams)
     stop = min(s[-1] for s in streams)
     tokens = sum(1 for s in streams for t in s if start < t <= stop)
     return tokens / (stop - start) if stop > start else float("nan")
+
+
+def cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_http(
+    port: int, model: str, batch: int, prompt_len: int, steps: int
+) -> tuple[float, float]:
+    """(tok/s, this client's CPU seconds per wall second) of one HTTP run."""
+    wall, cpu = time.perf_counter(), cpu_s()
+    rate = asyncio.run(http_decode_tok_s(port, model, batch, prompt_len, steps))
+    return rate, (cpu_s() - cpu) / (time.perf_counter() - wall)
 
 
 def main() -> None:
@@ -112,13 +136,13 @@ def main() -> None:
     backend = TorchBackend.load("default", kv_cache_gb=1.0, max_model_len=1024)
     port = free_port()
     server = start_server(port, max(sizes), args.serve_args.split())
-    url, model = f"http://127.0.0.1:{port}", "smollm2-135m-instruct"
+    model = "smollm2-135m-instruct"
     rows = []
     try:
-        asyncio.run(http_decode_tok_s(url, model, 2, 8, 8))  # warm-up
+        asyncio.run(http_decode_tok_s(port, model, 2, 8, 8))  # warm-up
         for b in sizes:
             engine_decode_tok_s(backend, b, args.prompt_len, 4)  # warm-up
-            runs: dict[str, list[float]] = {"hf": [], "bare": [], "http": []}
+            runs: dict[str, list[float]] = {"hf": [], "bare": [], "http": [], "client_cpu": []}
             for _ in range(args.repeats):  # interleaved, so drift hits all three alike
                 # NOTE: HF's forward on the device thread too: a second OpenMP pool on this
                 # thread would oversubscribe the cores and slow `bare` (docs/benchmarks.md)
@@ -128,15 +152,16 @@ def main() -> None:
                     )
                 )
                 runs["bare"].append(engine_decode_tok_s(backend, b, args.prompt_len, args.steps))
-                runs["http"].append(
-                    asyncio.run(http_decode_tok_s(url, model, b, args.prompt_len, args.steps))
-                )
+                rate, client_cpu = timed_http(port, model, b, args.prompt_len, args.steps)
+                runs["http"].append(rate)
+                runs["client_cpu"].append(client_cpu)
             hf, bare, http = (statistics.median(runs[k]) for k in ("hf", "bare", "http"))
             rows.append({"batch": b, "hf_tok_s": hf, "bare_tok_s": bare, "http_tok_s": http,
                          "runs": runs})  # fmt: skip
             print(
                 f"B={b:>3}  hf {hf:8.1f}  bare {bare:8.1f}  http {http:8.1f}  "
                 f"http/bare {http / bare:5.2f}  bare/hf {bare / hf:5.2f}  "
+                f"client cpu {statistics.median(runs['client_cpu']):.0%} "
                 f"(medians of {args.repeats})",
                 flush=True,
             )

@@ -119,6 +119,10 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-ab", action="store_true", help="reuse the burst/poisson reports")
     parser.add_argument("--dtype", default="float32", help="model dtype for both servers")
+    parser.add_argument(
+        "--peer-dtype", default=None,
+        help="transformers serve's dtype when not --dtype ('auto': its own default)",
+    )  # fmt: skip
     args = parser.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +173,7 @@ def main() -> None:
         tport = free_port()
         tserve = [str(Path(PY).parent / "transformers"), "serve", model_dir,
                   "--continuous-batching", "--device", "cpu", "--port", str(tport),
-                  "--dtype", args.dtype]  # fmt: skip
+                  "--dtype", args.peer_dtype or args.dtype]  # fmt: skip
         commands.append(shlex.join(["transformers", *tserve[1:]]))
         peer = start(tserve, f"http://127.0.0.1:{tport}/health", out / "transformers.log")
         try:
@@ -203,7 +207,8 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
     images = doc.parent / "bench"
     burst, poisson = load(out / "burst"), load(out / "poisson")
     b, p = metrics_by_arm(burst), metrics_by_arm(poisson)
-    header = f"## Reference comparison (`make bench`, {args.dtype})"
+    peer = "" if args.peer_dtype in (None, args.dtype) else f", peer {args.peer_dtype}"
+    header = f"## Reference comparison (`make bench`, {args.dtype}{peer})"
     lines = [
         header,
         "",
@@ -242,7 +247,8 @@ def write_doc(args: argparse.Namespace, out: Path, commands: list[str]) -> None:
         lines += [
             "",
             f"### Against `transformers serve --continuous-batching` ({args.peer_requests}-request "
-            "burst, greedy, stopping at EOS on both: the peer rejects `ignore_eos`)",
+            "burst, greedy, stopping at EOS on both: the peer rejects `ignore_eos`; carousel "
+            f"{args.dtype}, the peer {args.peer_dtype or args.dtype})",
             "",
             HEADER,
             row("carousel (orca, max_num_seqs 64)", c),
