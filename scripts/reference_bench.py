@@ -132,7 +132,9 @@ def main() -> None:
     commands.append(f"# every carousel serve below runs with CAROUSEL_DTYPE={args.dtype}")
     workload = ["--input-len", args.input_len, "--output-len", "heavy-tail",
                 "--seed", str(BURST_SEED)]  # fmt: skip
-    if not args.skip_ab:
+    if args.skip_ab:
+        commands.append(f"# A/B tables: an earlier run's reports, reused from {out} (--skip-ab)")
+    else:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         serve = [PY, "-m", "gateway.cli", "serve", "--config", "examples/ab.yaml",
@@ -270,7 +272,8 @@ def replace_section(doc: Path, header: str, section: str) -> None:
     start = text.find(header + "\n")
     if start >= 0:
         end = text.find("\n## ", start + 5)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+        rest = text[end + 1 :] if end >= 0 else ""
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     else:
         text = text.rstrip() + "\n\n" + section
     doc.write_text(text)

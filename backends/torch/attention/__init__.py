@@ -5,8 +5,9 @@
 | `sdpa` | any | reference: SDPA per prefill, one masked SDPA over gathered K/V for decodes |
 | `inductor_paged` | cpu | decodes read K/V in place through one Inductor-compiled kernel |
 
-`auto` is `sdpa` on every device: `inductor_paged` measured only a few percent faster end to
-end on the 2-core CPU (docs/benchmarks.md, issue 15), and it costs a compile at start-up.
+`auto` is `sdpa` on every device: on the 2-core CPU `inductor_paged` is faster only in bf16
+at B >= 32 (decode step -11% at B = 64, 0-5% elsewhere), slower in fp32 at B >= 32, and it
+costs a 2-4 s compile at start-up (docs/benchmarks.md, issue 15, third pass).
 A new backend is one module with an `AttentionBackend` subclass plus one line in `_BACKENDS`.
 """
 
