@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,15 +34,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_bench import (  # noqa: E402
-    PY,
     ROOT,
     SERVED,
-    free_port,
     load,
     replace_section,
-    start,
+    serve_carousel,
     stop,
 )
+from reference_bench import bench as run_bench  # noqa: E402
 
 ARMS = ("cache-on", "cache-off")
 HEADER = "## Prefix caching on against off (`scripts/prefix_bench.py`)"
@@ -52,10 +49,7 @@ HEADER = "## Prefix caching on against off (`scripts/prefix_bench.py`)"
 
 def bench(args: list[str], commands: list[str]) -> dict[str, dict[str, Any]]:
     """Run one `carousel bench`; its runs by arm."""
-    cmd = [PY, "-m", "bench", "--no-progress", *args]
-    commands.append(shlex.join(["carousel", "bench", *cmd[3:]]))
-    print("$", commands[-1], flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    run_bench(args, commands, quiet=True)
     report = load(Path(args[args.index("--out") + 1]))
     return {run["arm"]: run for run in report["runs"]}
 
@@ -104,12 +98,8 @@ def main() -> None:
     commands = [
         f"# carousel serve runs with CAROUSEL_DTYPE={args.dtype} OMP_NUM_THREADS={args.threads}"
     ]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = [PY, "-m", "gateway.cli", "serve", "--config", "examples/prefix-cache.yaml",
-             "--port", str(port)]  # fmt: skip
-    commands.append(shlex.join(["carousel", *serve[3:]]))
-    server = start(serve, f"{url}/health", out / "carousel.log")
+    config = ["--config", "examples/prefix-cache.yaml"]
+    server, url = serve_carousel(config, commands, out / "carousel.log")
     results: dict[str, list[dict[str, dict[str, Any]]]] = {}
     try:
         target = ["--url", f"{url}/v1", "--model", SERVED]

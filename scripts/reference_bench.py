@@ -67,11 +67,23 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def bench(args: list[str], commands: list[str]) -> None:
+def serve_carousel(
+    args: list[str], commands: list[str], log: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`carousel serve ARGS` on a free loopback port, once healthy; recorded in `commands`."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [PY, "-m", "gateway.cli", "serve", *args, "--port", str(port)]
+    commands.append(shlex.join(["carousel", *cmd[3:]]))
+    return start(cmd, f"{url}/health", log), url
+
+
+def bench(args: list[str], commands: list[str], quiet: bool = False) -> None:
+    """One `carousel bench ARGS` (recorded in `commands`; its report printed unless `quiet`)."""
     cmd = [PY, "-m", "bench", "--no-progress", *args]
     commands.append(shlex.join(["carousel", "bench", *cmd[3:]]))
     print("$", commands[-1], flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL if quiet else None)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -135,12 +147,8 @@ def main() -> None:
     if args.skip_ab:
         commands.append(f"# A/B tables: an earlier run's reports, reused from {out} (--skip-ab)")
     else:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        serve = [PY, "-m", "gateway.cli", "serve", "--config", "examples/ab.yaml",
-                 "--port", str(port)]  # fmt: skip
-        commands.append(shlex.join(["carousel", *serve[3:]]))
-        server = start(serve, f"{url}/health", out / "carousel.log")
+        ab = ["--config", "examples/ab.yaml"]
+        server, url = serve_carousel(ab, commands, out / "carousel.log")
         try:
             common = ["--url", f"{url}/v1", "--model", SERVED, "--arm", "orca", "--arm", "static"]
             bench([*common, "--num-requests", str(args.num_requests), "--rate", "inf",
@@ -156,12 +164,8 @@ def main() -> None:
     if not args.skip_peer:
         # NOTE: the peer batches every request of the burst at once, so Carousel gets seats
         # for all of them too (its own default scheduler, orca).
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        serve = [PY, "-m", "gateway.cli", "serve", "--port", str(port),
-                 "--max-num-seqs", str(max(64, args.peer_requests))]  # fmt: skip
-        commands.append(shlex.join(["carousel", *serve[3:]]))
-        server = start(serve, f"{url}/health", out / "carousel-peer.log")
+        seats = ["--max-num-seqs", str(max(64, args.peer_requests))]
+        server, url = serve_carousel(seats, commands, out / "carousel-peer.log")
         try:
             bench(["--url", f"{url}/v1", "--model", SERVED, *peer_load,
                    "--out", str(out / "peer-carousel")], commands)  # fmt: skip
