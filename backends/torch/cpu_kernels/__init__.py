@@ -1,0 +1,156 @@
+"""Carousel's own AVX-512 CPU kernels for the decode step, compiled once on first use.
+
+Two kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
+
+- `linear`: decode-sized matmuls (1 to 128 rows) over a weight packed into 64-row tiles, each
+  tile one sequential stream; bf16 products by AVX512-BF16 (`vdpbf16ps`), fp32 by FMA.
+  Streaming all SmolLM2 projections from memory, it reads 1.2-1.7x faster than oneDNN's
+  prepacked path at 1-8 rows and stays ahead up to 128 rows (packed.py).
+- `decode_attention`: one query token per sequence, against its context read in place from
+  the paged cache through its block table: no K/V gather, no mask (attention/cpu_paged.py).
+
+They are built with torch's C++ extension loader (g++ and ninja) into Carousel's cache dir
+(`cpu_kernels/`), about 20 s the first time; later processes load the built module in well under a
+second. Where they cannot run (no AVX-512 with BF16, no compiler, a failed build, or
+`CAROUSEL_CPU_KERNELS=0`), `native()` returns None, the reason is logged once, and callers keep
+torch's own kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from backends.torch.loader import cache_dir
+
+log = structlog.get_logger("carousel.engine")
+
+SOURCES = ("bindings.cpp", "linear.cpp", "decode_attention.cpp")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+ENV_SWITCH = "CAROUSEL_CPU_KERNELS"
+
+_lock = threading.Lock()
+_loaded: tuple[ModuleType | None] | None = None  # (module or None) once tried
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo is not there)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be built here, or None where they can be tried."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"{ENV_SWITCH}=0"
+    if sys.platform != "linux":
+        return f"built for Linux only, not {sys.platform}"
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if not any(shutil.which(c) for c in ("c++", "g++")):
+        return "no C++ compiler (c++ or g++) on PATH"
+    return None
+
+
+def native() -> ModuleType | None:
+    """The compiled kernels' module (built on the first call), or None where they can't run."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded[0]
+    with _lock:
+        if _loaded is None:
+            _loaded = (_build(),)
+    return _loaded[0]
+
+
+def _build() -> ModuleType | None:
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("cpu_kernels_off", reason=reason)
+        return None
+    _put_ninja_on_path()
+    from torch.utils import cpp_extension
+
+    src = Path(__file__).with_name("csrc")
+    build_dir = cache_dir() / "cpu_kernels"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log.info("cpu_kernels_loading", build_dir=str(build_dir), note="a first build takes ~20 s")
+    try:
+        module = cpp_extension.load(
+            name="carousel_cpu_kernels",
+            sources=[str(src / s) for s in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
+        log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
+        return None
+    log.info("cpu_kernels_ready")
+    return module
+
+
+def _put_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH: add the `ninja` package's binary when it is there."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    path = os.environ.get("PATH", "")
+    if bin_dir and bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
+
+
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+TILE_COLS = 64  # output rows of one packed weight tile (kTileCols in csrc/kernels.h)
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether `linear` can take this (N, K) weight (fp32, or bf16 with an even K)."""
+    return weight.dtype in LINEAR_DTYPES and (
+        weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (N, K) in `linear`'s tile layout (rows zero-padded to whole tiles).
+
+    bf16: (N / 64, K / 2 * 64 * 2) as [tile][K / 2][64][2] (vdpbf16ps takes pairs of K);
+    fp32: [tile][K][64]. Returned as (tiles, K * 64 / step, step) contiguous.
+    """
+    n, k = weight.shape
+    tiles = -(-n // TILE_COLS)
+    w = F.pad(weight.detach(), (0, 0, 0, tiles * TILE_COLS - n)).contiguous()
+    if weight.dtype == torch.bfloat16:
+        if k % 2:
+            raise ValueError("bf16 packing needs an even number of input features")
+        return w.view(tiles, TILE_COLS, k // 2, 2).permute(0, 2, 1, 3).reshape(tiles, -1, 2)
+    if weight.dtype == torch.float32:
+        return w.view(tiles, TILE_COLS, k).permute(0, 2, 1).contiguous()
+    raise ValueError(f"linear supports float32 and bfloat16, not {weight.dtype}")
+
+
+def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """`bias` as `linear` takes it: fp32, zero-padded to whole tiles."""
+    if bias is None:
+        return None
+    tiles = -(-out_features // TILE_COLS)
+    return F.pad(bias.detach().float(), (0, tiles * TILE_COLS - out_features)).contiguous()

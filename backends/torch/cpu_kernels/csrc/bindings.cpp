@@ -1,0 +1,16 @@
+// The Python module of Carousel's CPU kernels (the GIL is released while they run).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Carousel's AVX-512 CPU kernels for the decode step";
+  m.def("linear", &carousel::linear, "y = x @ w.T + bias over a packed weight",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"),
+        pybind11::arg("bias") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_attention", &carousel::decode_attention,
+        "one-token-per-sequence attention over the paged cache, in place",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"),
+        pybind11::arg("window"), pybind11::arg("out"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}

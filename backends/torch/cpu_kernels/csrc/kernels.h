@@ -1,0 +1,23 @@
+// Carousel's CPU kernels for the decode step (AVX-512; bf16 products with AVX512-BF16).
+// Built on first use by backends/torch/cpu_kernels/__init__.py; see its docstring.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace carousel {
+
+// Output columns of one packed weight tile (four 16-lane fp32 vectors).
+constexpr int64_t kTileCols = 64;
+
+// y (M, N) = x (M, K) @ w.T + bias, with `w` packed by `pack_weight` (tiles of kTileCols rows)
+// and `bias` fp32, zero-padded to whole tiles.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                     const c10::optional<torch::Tensor>& bias);
+
+// Decode attention over the paged cache, read in place: one query token per sequence.
+void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                      const torch::Tensor& context_lens, double scale, int64_t window,
+                      const torch::Tensor& out);
+
+}  // namespace carousel

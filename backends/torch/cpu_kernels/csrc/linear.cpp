@@ -1,0 +1,162 @@
+// Decode-sized linears that stream each weight once at memory speed.
+//
+// The weight is packed in tiles of kTileCols output rows, each tile contiguous in memory, so
+// a thread reads one sequential stream (what the hardware prefetcher is best at):
+//   bf16: [N / 64][K / 2][64][2]  (pairs of K, the operand order of vdpbf16ps)
+//   fp32: [N / 64][K][64]
+// For every K step the tile's 64 weights are multiplied with up to kRows rows of x, broadcast
+// one element (bf16: one pair) at a time, into 4 x kRows fp32 accumulators: no horizontal
+// reductions. More rows than kRows re-read the tile from L2, not from memory.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace carousel {
+namespace {
+
+constexpr int kRows = 6;  // rows of x per pass: 24 accumulators + 4 weight vectors in 32 zmm
+
+template <typename T>
+struct Traits;
+
+template <>
+struct Traits<at::BFloat16> {
+  static constexpr int64_t kStep = 2;  // K elements per broadcast
+  static inline void load(const at::BFloat16* w, __m512i (&wv)[4]) {
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
+  }
+  static inline __m512i broadcast(const at::BFloat16* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return _mm512_set1_epi32(pair);
+  }
+  static inline __m512 madd(__m512 acc, __m512i x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+  }
+};
+
+template <>
+struct Traits<float> {
+  static constexpr int64_t kStep = 1;
+  static inline void load(const float* w, __m512i (&wv)[4]) {
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_castps_si512(_mm512_loadu_ps(w + 16 * j));
+  }
+  static inline __m512i broadcast(const float* x) {
+    return _mm512_castps_si512(_mm512_set1_ps(*x));
+  }
+  static inline __m512 madd(__m512 acc, __m512i x, __m512i w) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), acc);
+  }
+};
+
+inline void store_row(const __m512 (&acc)[4], const float* bias, float* y, int64_t cols) {
+  alignas(64) float tmp[kTileCols];
+  for (int j = 0; j < 4; ++j) {
+    __m512 v = acc[j];
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+    _mm512_store_ps(tmp + 16 * j, v);
+  }
+  std::memcpy(y, tmp, cols * sizeof(float));
+}
+
+inline void store_row(const __m512 (&acc)[4], const float* bias, at::BFloat16* y, int64_t cols) {
+  alignas(64) uint16_t tmp[kTileCols];
+  for (int j = 0; j < 4; ++j) {
+    __m512 v = acc[j];
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
+    __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch does
+    std::memcpy(tmp + 16 * j, &h, sizeof(h));
+  }
+  std::memcpy(y, tmp, cols * sizeof(uint16_t));
+}
+
+// `rows` (<= kRows) rows of x against one packed tile; y points at the tile's first column.
+template <typename T, int R>
+void tile(const T* x, int64_t K, const T* w, const float* bias, T* y, int64_t N, int64_t cols) {
+  using Tr = Traits<T>;
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += Tr::kStep) {
+    const T* wk = w + k * kTileCols;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kTileCols * Tr::kStep), _MM_HINT_T0);
+    __m512i wv[4];
+    Tr::load(wk, wv);
+    for (int m = 0; m < R; ++m) {
+      __m512i xv = Tr::broadcast(x + m * K + k);
+      for (int j = 0; j < 4; ++j) acc[m][j] = Tr::madd(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < R; ++m) store_row(acc[m], bias, y + m * N, cols);
+}
+
+template <typename T>
+void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y,
+                  int64_t N, int64_t cols) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile<T, kRows>(x + m * K, K, w, bias, y + m * N, N, cols);
+  const T* xm = x + m * K;
+  T* ym = y + m * N;
+  switch (M - m) {
+    case 5: tile<T, 5>(xm, K, w, bias, ym, N, cols); break;
+    case 4: tile<T, 4>(xm, K, w, bias, ym, N, cols); break;
+    case 3: tile<T, 3>(xm, K, w, bias, ym, N, cols); break;
+    case 2: tile<T, 2>(xm, K, w, bias, ym, N, cols); break;
+    case 1: tile<T, 1>(xm, K, w, bias, ym, N, cols); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor* bias,
+         torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  const int64_t tiles = packed.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = packed.data_ptr<T>();
+  const float* bp = bias != nullptr ? bias->data_ptr<float>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  // NOTE: each thread takes a contiguous run of tiles, so it streams one span of memory.
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t col = t * kTileCols;
+      rows_of_tile<T>(xp, M, K, wp + t * K * kTileCols, bp != nullptr ? bp + col : nullptr,
+                      yp + col, N, std::min(kTileCols, N - col));
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
+                     const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (M, K) matrix");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == x.scalar_type(),
+              "packed weight must come from pack_weight for x's dtype");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.size(1) * packed.size(2) == K * kTileCols, "weight and x disagree on K");
+  TORCH_CHECK(out_features <= packed.size(0) * kTileCols, "more out_features than packed rows");
+  const torch::Tensor* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() == packed.size(0) * kTileCols,
+                "bias must be fp32, padded to whole tiles (pack_bias)");
+    bp = &*bias;
+  }
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(K % 2 == 0, "bf16 needs an even K");
+    run<at::BFloat16>(x, packed, bp, y);
+  } else if (x.scalar_type() == torch::kFloat32) {
+    run<float>(x, packed, bp, y);
+  } else {
+    TORCH_CHECK(false, "linear supports float32 and bfloat16, not ", x.scalar_type());
+  }
+  return y;
+}
+
+}  // namespace carousel
