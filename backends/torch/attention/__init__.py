@@ -4,10 +4,13 @@
 |---|---|---|
 | `sdpa` | any | reference: SDPA per prefill, one masked SDPA over gathered K/V for decodes |
 | `inductor_paged` | cpu | decodes read K/V in place through one Inductor-compiled kernel |
+| `cpu_paged` | cpu | decodes read K/V in place through Carousel's own AVX-512 kernel |
 
-`auto` is `sdpa` on every device: on the 2-core CPU `inductor_paged` is faster only in bf16
-at B >= 32 (decode step -11% at B = 64, 0-5% elsewhere), slower in fp32 at B >= 32, and it
-costs a 2-4 s compile at start-up (docs/benchmarks.md, issue 15, third pass).
+`auto` is `cpu_paged` on a CPU where Carousel's kernels build (AVX-512 with BF16, a C++
+compiler; backends/torch/cpu_kernels) and the cache is fp32 or bf16, else `sdpa`. On the
+2-core CPU `cpu_paged` cut the bare bf16 decode step at B = 64 by a quarter
+(docs/benchmarks.md, issue 15, fourth pass). `inductor_paged` was faster than `sdpa` only in
+bf16 at B >= 32 (-11% at B = 64), slower in fp32 at B >= 32, and costs a 2-4 s compile.
 A new backend is one module with an `AttentionBackend` subclass plus one line in `_BACKENDS`.
 """
 
@@ -37,7 +40,10 @@ _BACKENDS = {
     "inductor_paged": _Entry(
         "backends.torch.attention.inductor_paged:InductorPagedBackend", ("cpu",)
     ),
+    "cpu_paged": _Entry("backends.torch.attention.cpu_paged:CpuPagedBackend", ("cpu",)),
 }
+#: the dtypes of the caches `cpu_paged` reads (attention/cpu_paged.py)
+_CPU_PAGED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def backend_names() -> list[str]:
@@ -47,17 +53,28 @@ def backend_names() -> list[str]:
 
 def available_backends(device: torch.device) -> list[str]:
     """The registered backends that can run on `device` in this environment."""
-    from backends.torch import inductor
+    from backends.torch import cpu_kernels, inductor
 
     names = [n for n, e in _BACKENDS.items() if device.type in e.devices]
     if not inductor.compiler_available():
         names = [n for n in names if not n.startswith("inductor")]
+    if "cpu_paged" in names and cpu_kernels.native() is None:
+        names.remove("cpu_paged")
     return names
 
 
-def resolve_name(name: str, device: torch.device) -> str:
-    """`name`, or for `auto` the best backend available on `device`; ValueError if unknown."""
+def resolve_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """`name`, or for `auto` the best backend available on `device` for a `dtype` cache.
+
+    ValueError if `name` is unknown or does not run on `device`.
+    """
     if name == AUTO:
+        if (
+            device.type == "cpu"
+            and dtype in _CPU_PAGED_DTYPES
+            and "cpu_paged" in available_backends(device)
+        ):
+            return "cpu_paged"
         return "sdpa"
     entry = _BACKENDS.get(name)
     if entry is None:
@@ -67,6 +84,12 @@ def resolve_name(name: str, device: torch.device) -> str:
         raise ValueError(
             f"attention backend {name!r} runs on {', '.join(entry.devices)}, not {device.type}"
         )
+    if name == "cpu_paged":
+        from backends.torch import cpu_kernels
+
+        if cpu_kernels.native() is None:
+            why = cpu_kernels.unavailable_reason() or "their build failed (see the log)"
+            raise ValueError(f"attention backend 'cpu_paged' needs Carousel's CPU kernels: {why}")
     return name
 
 
@@ -74,6 +97,7 @@ def create_backend(
     name: str, kv_cache: KVCache, layers: Sequence[AttentionSpec], device: torch.device
 ) -> AttentionBackend[Any]:
     """Build backend `name` (or `auto`'s choice) for these layers over `kv_cache`."""
-    module_name, _, class_name = _BACKENDS[resolve_name(name, device)].target.partition(":")
+    resolved = resolve_name(name, device, kv_cache.k[0].dtype if kv_cache.k else None)
+    module_name, _, class_name = _BACKENDS[resolved].target.partition(":")
     cls: type[AttentionBackend[Any]] = getattr(importlib.import_module(module_name), class_name)
     return cls(kv_cache, layers)

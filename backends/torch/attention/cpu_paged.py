@@ -1,0 +1,98 @@
+"""Decodes through Carousel's own CPU kernel, reading K/V in place from the paged cache.
+
+Prefills run as in `sdpa` (one SDPA call per sequence). Decodes (one new token each) go to
+`cpu_kernels.native().decode_attention`: one task per (sequence, K/V head) walks the
+sequence's block table, scores its g query heads against every key at once, and sums the
+values in fp32. Nothing is gathered out of the cache and no padding mask is built, so a decode
+costs what its own context costs, not the widest block table's (sdpa's gather plus masked
+SDPA took about 600 us per layer at B = 64 on the 2-core CPU; docs/benchmarks.md, issue 15).
+
+Runs on CPUs with AVX-512 and BF16 where the kernels build (cpu_kernels); fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from backends.torch import cpu_kernels
+from backends.torch.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionSpec,
+    BatchLayout,
+)
+from backends.torch.attention.sdpa import prefill_all, prefill_masks
+from backends.torch.kv_cache import KVCache
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CpuPagedMetadata(AttentionMetadata):
+    decode_rows: torch.Tensor  # (D,) the decode tokens' flat rows
+    all_decodes: bool  # every scheduled token is a decode, in row order
+    block_tables: torch.Tensor  # (D, nb) contiguous, the decodes' block tables
+    context_lens: torch.Tensor  # (D,) contiguous
+    prefill_masks: dict[int | None, list[torch.Tensor | None]]
+
+
+class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
+    """Paged attention with decodes in Carousel's CPU kernel (see the module docstring)."""
+
+    name = "cpu_paged"
+
+    def __init__(self, kv_cache: KVCache, layers: Sequence[AttentionSpec]) -> None:
+        super().__init__(kv_cache, layers)
+        kernels = cpu_kernels.native()
+        if kernels is None:
+            raise RuntimeError(f"cpu_paged needs Carousel's CPU kernels: {_why_not()}")
+        dtype = kv_cache.k[0].dtype
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"cpu_paged runs float32 and bfloat16, not {dtype}")
+        self.kernel = kernels.decode_attention
+        self.windows = sorted({spec.sliding_window for spec in layers}, key=str)
+
+    def build_metadata(self, layout: BatchLayout) -> CpuPagedMetadata:
+        dec = layout.decode_indices
+        num = dec.shape[0]
+        return CpuPagedMetadata(
+            layout=layout,
+            decode_rows=layout.cu_seqlens_q[dec],
+            all_decodes=num == layout.num_tokens,
+            block_tables=layout.block_tables[dec, : layout.decode_max_blocks].contiguous(),
+            context_lens=layout.context_lens[dec].contiguous(),
+            prefill_masks={w: prefill_masks(layout, w) for w in self.windows},
+        )
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CpuPagedMetadata
+    ) -> torch.Tensor:
+        spec = self.layers[layer]
+        window = -1 if spec.sliding_window is None else spec.sliding_window
+        if meta.all_decodes:  # a pure decode step: rows are the decodes, in order
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            self._decode(layer, q.contiguous(), meta, window, out)
+            return out
+        out = q.new_empty(q.shape)  # (N, nh, hd)
+        prefill_all(self, layer, q, k, v, meta.layout, meta.prefill_masks[spec.sliding_window], out)
+        rows = meta.decode_rows
+        if rows.numel():
+            dec_out = q.new_empty((rows.shape[0], *q.shape[1:]))
+            self._decode(layer, q[rows].contiguous(), meta, window, dec_out)
+            out[rows] = dec_out
+        return out
+
+    def _decode(
+        self, layer: int, q: torch.Tensor, meta: CpuPagedMetadata, window: int, out: torch.Tensor
+    ) -> None:
+        self.kernel(
+            q, self.kv_cache.k[layer], self.kv_cache.v[layer], meta.block_tables,
+            meta.context_lens, self.layers[layer].scale, window, out,
+        )  # fmt: skip
+
+
+def _why_not() -> str:
+    return cpu_kernels.unavailable_reason() or "their build failed (see the log)"

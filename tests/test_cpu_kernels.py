@@ -1,0 +1,189 @@
+"""Carousel's CPU kernels compute what their definitions say, at every shape, or stay off.
+
+`linear` is checked against the float64 product (bf16: rounded once, as the kernel rounds
+its fp32 sum), `decode_attention` against softmax attention written from the definition
+over the logical context (scattered blocks, windows, GQA groups, head sizes that are not a
+multiple of the 16-lane vectors, few and many sequences: the two task splits).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.torch import cpu_kernels
+
+KERNELS = cpu_kernels.native()
+needs_kernels = pytest.mark.skipif(
+    KERNELS is None, reason=f"no CPU kernels here: {cpu_kernels.unavailable_reason()}"
+)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def reference_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 140),
+    out_features=st.integers(1, 200),
+    half_k=st.integers(1, 100),
+    dtype=st.sampled_from(DTYPES),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_is_the_matrix_product_at_every_shape(
+    rows: int, out_features: int, half_k: int, dtype: torch.dtype, with_bias: bool, seed: int
+) -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(seed)
+    k = 2 * half_k - (dtype == torch.float32 and seed % 2)  # fp32 takes odd K too
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(out_features, k, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    got = KERNELS.linear(x, cpu_kernels.pack_weight(w), out_features,
+                         cpu_kernels.pack_bias(b, out_features))  # fmt: skip
+    want = reference_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    # fp32: summation order only; bf16: exact products, an fp32 sum, one rounding to bf16
+    scale = want.abs().max().item() + 1e-6
+    tolerance = 1e-5 * scale if dtype == torch.float32 else 2**-8 * want.abs() + 1e-5 * scale
+    assert ((got.double() - want).abs() <= tolerance).all()
+
+
+@needs_kernels
+def test_linear_rejects_what_it_cannot_compute() -> None:
+    assert KERNELS is not None
+    w = torch.randn(64, 32)
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        KERNELS.linear(torch.randn(2, 16), cpu_kernels.pack_weight(w), 64, None)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        KERNELS.linear(torch.randn(2, 32).bfloat16(), cpu_kernels.pack_weight(w), 64, None)
+    with pytest.raises(RuntimeError, match="padded to whole tiles"):
+        KERNELS.linear(torch.randn(2, 32), cpu_kernels.pack_weight(w), 64, torch.randn(7))
+    with pytest.raises(ValueError, match="even number"):
+        cpu_kernels.pack_weight(torch.randn(4, 3).bfloat16())
+    assert not cpu_kernels.packable(torch.randn(4, 3).bfloat16())
+    assert not cpu_kernels.packable(torch.randn(4, 4).half())
+
+
+def reference_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+    lens: torch.Tensor, scale: float, window: int,
+) -> torch.Tensor:  # fmt: skip
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    group = num_heads // num_kv
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for d in range(num_seqs):
+        ctx = int(lens[d])
+        keys = k_cache[tables[d]].reshape(-1, num_kv, head_dim)[:ctx].double()
+        values = v_cache[tables[d]].reshape(-1, num_kv, head_dim)[:ctx].double()
+        for h in range(num_heads):
+            scores = keys[:, h // group] @ q[d, h].double() * scale
+            if window >= 0:
+                scores[: max(0, ctx - window)] = -math.inf
+            out[d, h] = scores.softmax(0) @ values[:, h // group]
+    return out
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(
+    num_seqs=st.integers(1, 9),
+    num_kv=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 4, 8]),
+    head_dim=st.sampled_from([8, 16, 24, 64, 80]),
+    block=st.sampled_from([1, 4, 16]),
+    window=st.sampled_from([-1, 1, 5, 40]),
+    dtype=st.sampled_from(DTYPES),
+    data=st.data(),
+)
+def test_decode_attention_is_softmax_attention_over_the_logical_context(
+    num_seqs: int, num_kv: int, group: int, head_dim: int, block: int, window: int,
+    dtype: torch.dtype, data: st.DataObject,
+) -> None:  # fmt: skip
+    assert KERNELS is not None
+    lens = data.draw(st.lists(st.integers(1, 70), min_size=num_seqs, max_size=num_seqs))
+    width = max(-(-n // block) for n in lens)
+    num_blocks = sum(-(-n // block) for n in lens) + 3
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    shape = (num_blocks, block, num_kv, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(num_seqs, width, dtype=torch.int64)  # padded with block 0
+    for d, n in enumerate(lens):
+        for i in range(-(-n // block)):
+            tables[d, i] = free.pop()
+    q = torch.randn(num_seqs, num_kv * group, head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    context = torch.tensor(lens, dtype=torch.int64)
+    KERNELS.decode_attention(q, k_cache, v_cache, tables, context, scale, window, out)
+    want = reference_attention(q, k_cache, v_cache, tables, context, scale, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8 * want.abs() + 1e-4
+    assert ((out.double() - want).abs() <= tolerance).all()
+
+
+@needs_kernels
+def test_decode_attention_rejects_mismatched_inputs() -> None:
+    assert KERNELS is not None
+    cache = torch.zeros(4, 4, 2, 16)
+    q, tables, lens = torch.zeros(3, 4, 16), torch.zeros(3, 1, dtype=torch.int64), torch.ones(3)
+    with pytest.raises(RuntimeError, match="int64"):
+        KERNELS.decode_attention(q, cache, cache, tables, lens, 1.0, -1, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        KERNELS.decode_attention(q.bfloat16(), cache, cache, tables, lens.long(), 1.0, -1,
+                                 torch.empty_like(q.bfloat16()))  # fmt: skip
+    with pytest.raises(RuntimeError, match="head shapes"):
+        KERNELS.decode_attention(torch.zeros(3, 3, 16), cache, cache, tables, lens.long(), 1.0,
+                                 -1, torch.zeros(3, 3, 16))  # fmt: skip
+
+
+def test_switched_off_the_engine_keeps_torchs_kernels() -> None:
+    """`CAROUSEL_CPU_KERNELS=0`: nothing is built, linears pack for oneDNN, `auto` is sdpa."""
+    code = (
+        "import torch\n"
+        "from backends.torch import cpu_kernels\n"
+        "from backends.torch.attention import available_backends, resolve_name\n"
+        "from backends.torch.packed import pack_plan\n"
+        "cpu = torch.device('cpu')\n"
+        "assert cpu_kernels.native() is None\n"
+        "assert cpu_kernels.unavailable_reason() == 'CAROUSEL_CPU_KERNELS=0'\n"
+        "assert 'cpu_paged' not in available_backends(cpu)\n"
+        "assert resolve_name('auto', cpu, torch.bfloat16) == 'sdpa'\n"
+        "plan = pack_plan(cpu, torch.bfloat16)\n"
+        "assert plan is None or plan.kernel == 'onednn', plan\n"
+        "try:\n"
+        "    resolve_name('cpu_paged', cpu)\n"
+        "except ValueError as exc:\n"
+        "    assert 'CAROUSEL_CPU_KERNELS=0' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('cpu_paged resolved without its kernels')\n"
+    )
+    env = {**os.environ, cpu_kernels.ENV_SWITCH: "0"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@needs_kernels
+def test_auto_takes_the_cpu_kernels_where_they_run() -> None:
+    from backends.torch.attention import resolve_name
+    from backends.torch.packed import NATIVE, pack_plan
+
+    cpu = torch.device("cpu")
+    assert resolve_name("auto", cpu, torch.bfloat16) == "cpu_paged"
+    assert resolve_name("auto", cpu, torch.float16) == "sdpa"
+    for dtype in DTYPES:
+        plan = pack_plan(cpu, dtype)
+        assert plan is not None and plan.kernel == NATIVE
