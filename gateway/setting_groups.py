@@ -43,10 +43,15 @@ class ModelSettings(BaseModel):
         None, ge=1, description="context window in tokens (default: the model's)"
     )
     prepack_weights: bool = Field(
-        True, description="CPU: a oneDNN-prepacked weight copy for decode-sized matmuls"
+        True, description="CPU: a prepacked weight copy for decode-sized matmuls"
     )
     attention_backend: str = Field(
-        "auto", description="attention kernels: auto, sdpa, inductor_paged (see the quickstart)"
+        "auto",
+        description="attention kernels: auto, sdpa, inductor_paged, cpu_paged (see the quickstart)",
+    )
+    cpu_kernels: bool = Field(
+        True,
+        description="CPU: Carousel's AVX-512 decode kernels (matmuls, attention) where they build",
     )
     compile: bool = Field(
         False, description="torch.compile the dense part of each layer at start-up (C++ compiler)"

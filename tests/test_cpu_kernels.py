@@ -187,3 +187,25 @@ def test_auto_takes_the_cpu_kernels_where_they_run() -> None:
     for dtype in DTYPES:
         plan = pack_plan(cpu, dtype)
         assert plan is not None and plan.kernel == NATIVE
+
+
+@needs_kernels
+def test_cpu_kernels_false_keeps_torchs_kernels_in_one_backend() -> None:
+    from backends.torch.packed import NATIVE
+    from backends.torch.runner import TorchBackend
+    from tests.tiny_models import tiny_model, tiny_tokenizer
+
+    def build(**kwargs: bool) -> TorchBackend:
+        return TorchBackend(
+            tiny_model("llama"), tiny_tokenizer(), device="cpu", dtype="bfloat16",
+            kv_cache_gb=0.01, **kwargs,
+        )  # fmt: skip
+
+    ours, torchs = build(), build(cpu_kernels=False)
+    assert ours.model.attention.name == "cpu_paged"
+    assert ours.model.linears[0].qkv.plan.kernel == NATIVE
+    assert torchs.model.attention.name == "sdpa"
+    assert (
+        torchs.model.linears[0].qkv.plan is None
+        or torchs.model.linears[0].qkv.plan.kernel != NATIVE
+    )

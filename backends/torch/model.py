@@ -96,6 +96,7 @@ class PagedCausalLM:
         *,
         prepack: bool = True,
         attention_backend: str = AUTO,
+        cpu_kernels: bool = True,
     ) -> None:
         check_architecture(type(hf_model).__name__)
         base = hf_model.model
@@ -105,11 +106,13 @@ class PagedCausalLM:
         self.rotary_emb = base.rotary_emb
         self.specs = attention_specs(hf_model)
         weight = hf_model.lm_head.weight
-        plan = pack_plan(weight.device, weight.dtype) if prepack else None
+        plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels) if prepack else None
         self.linears = [_LayerLinears.of(layer, fuse_layer(layer), plan) for layer in self.layers]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
         self.kv_cache = kv_cache
-        self.attention = create_backend(attention_backend, kv_cache, self.specs, weight.device)
+        self.attention = create_backend(
+            attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
+        )
         self.compiled = False  # see enable_compiled
 
     def compilable(self) -> bool:

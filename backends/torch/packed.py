@@ -62,11 +62,14 @@ _PLANS = {
 _NATIVE_PLAN = PackPlan(min_rows=1, max_rows=128, batch_hint=0, kernel=NATIVE)
 
 
-def pack_plan(device: torch.device, dtype: torch.dtype) -> PackPlan | None:
-    """When prepacked linears pay off for this device and dtype, and whose (None: never)."""
+def pack_plan(device: torch.device, dtype: torch.dtype, *, native: bool = True) -> PackPlan | None:
+    """When prepacked linears pay off for this device and dtype, and whose (None: never).
+
+    `native=False` leaves Carousel's own kernels out (oneDNN's, where it is there).
+    """
     if device.type != "cpu":
         return None
-    if dtype in cpu_kernels.LINEAR_DTYPES and cpu_kernels.native() is not None:
+    if native and dtype in cpu_kernels.LINEAR_DTYPES and cpu_kernels.native() is not None:
         return _NATIVE_PLAN
     if not torch.backends.mkldnn.is_available():
         return None

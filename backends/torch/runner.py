@@ -5,24 +5,28 @@ Construct it either from a model reference::
     TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
                       kv_cache_fraction=None, block_size=16, max_model_len=None,
                       max_num_seqs=256, prepack_weights=True, attention_backend="auto",
-                      compile=False)
+                      compile=False, cpu_kernels=True)
 
 or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
 
     TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
                  kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256,
-                 prepack_weights=True, attention_backend="auto", compile=False)
+                 prepack_weights=True, attention_backend="auto", compile=False,
+                 cpu_kernels=True)
 
 `device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
 bf16 on cuda and on a CPU with AMX or AVX512-BF16, else fp32 (`default_dtype`); a model handed
 in on CPU without a dtype keeps its own. The model is moved and cast in place. KV sizing: see
 kv_cache.py (`max_num_seqs` only caps the KV cache: it never holds more than that many full
 contexts).
-`prepack_weights`: on CPU, matmuls with few rows go through oneDNN-prepacked weights (an
-extra copy of the weights; see packed.py); False keeps one copy and plain `F.linear`.
-`attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, `inductor_paged`);
-`auto` is `sdpa` (see attention/__init__.py). `compile`: the dense part of every decoder
-layer runs through one torch.compile'd graph (dense.py; eager without a C++ compiler).
+`prepack_weights`: on CPU, matmuls with few rows go through prepacked weights (an extra copy
+of the weights; see packed.py); False keeps one copy and plain `F.linear`.
+`attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, `inductor_paged`,
+`cpu_paged`); `auto` is `cpu_paged` where Carousel's CPU kernels run, else `sdpa` (see
+attention/__init__.py). `cpu_kernels`: on CPU, Carousel's own AVX-512 kernels (cpu_kernels/)
+for the prepacked matmuls and `auto`'s attention, where they build; False keeps torch's.
+`compile`: the dense part of every decoder layer runs through one torch.compile'd graph
+(dense.py; eager without a C++ compiler).
 Compiled kernels are built here, at construction (logged), never on a request's path.
 """
 
@@ -106,6 +110,7 @@ class TorchBackend(Backend):
         prepack_weights: bool = True,
         attention_backend: str = AUTO,
         compile: bool = False,
+        cpu_kernels: bool = True,
     ) -> None:
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
@@ -131,7 +136,11 @@ class TorchBackend(Backend):
         num_blocks = self._num_kv_blocks(kv_layout, budget, max_num_seqs)  # TP: the ranks agree
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
         self.model = PagedCausalLM(
-            model, self.kv_cache, prepack=prepack_weights, attention_backend=attention_backend
+            model,
+            self.kv_cache,
+            prepack=prepack_weights,
+            attention_backend=attention_backend,
+            cpu_kernels=cpu_kernels,
         )
         self.model.attention.warm_up()
         if compile and self.model.compilable():
@@ -164,6 +173,7 @@ class TorchBackend(Backend):
         prepack_weights: bool = True,
         attention_backend: str = AUTO,
         compile: bool = False,
+        cpu_kernels: bool = True,
     ) -> TorchBackend:
         """Load `model` (see loader.py for what a reference may be) onto `device`.
 
@@ -187,6 +197,7 @@ class TorchBackend(Backend):
                 prepack_weights=prepack_weights,
                 attention_backend=attention_backend,
                 compile=compile,
+                cpu_kernels=cpu_kernels,
             )
 
         return call_on_own_thread(build, "carousel-load")

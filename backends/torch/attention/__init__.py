@@ -63,14 +63,18 @@ def available_backends(device: torch.device) -> list[str]:
     return names
 
 
-def resolve_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+def resolve_name(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, *, native: bool = True
+) -> str:
     """`name`, or for `auto` the best backend available on `device` for a `dtype` cache.
 
+    `native=False`: `auto` leaves Carousel's own CPU kernels out (a name asked for is kept).
     ValueError if `name` is unknown or does not run on `device`.
     """
     if name == AUTO:
         if (
-            device.type == "cpu"
+            native
+            and device.type == "cpu"
             and dtype in _CPU_PAGED_DTYPES
             and "cpu_paged" in available_backends(device)
         ):
@@ -94,10 +98,16 @@ def resolve_name(name: str, device: torch.device, dtype: torch.dtype | None = No
 
 
 def create_backend(
-    name: str, kv_cache: KVCache, layers: Sequence[AttentionSpec], device: torch.device
+    name: str,
+    kv_cache: KVCache,
+    layers: Sequence[AttentionSpec],
+    device: torch.device,
+    *,
+    native: bool = True,
 ) -> AttentionBackend[Any]:
-    """Build backend `name` (or `auto`'s choice) for these layers over `kv_cache`."""
-    resolved = resolve_name(name, device, kv_cache.k[0].dtype if kv_cache.k else None)
+    """Build backend `name` (or `auto`'s choice, see `resolve_name`) over `kv_cache`."""
+    dtype = kv_cache.k[0].dtype if kv_cache.k else None
+    resolved = resolve_name(name, device, dtype, native=native)
     module_name, _, class_name = _BACKENDS[resolved].target.partition(":")
     cls: type[AttentionBackend[Any]] = getattr(importlib.import_module(module_name), class_name)
     return cls(kv_cache, layers)

@@ -62,6 +62,7 @@ class LoadSpec:
     max_num_seqs: int
     prepack_weights: bool
     attention_backend: str = AUTO
+    cpu_kernels: bool = True
 
 
 class TensorParallelBackend(TorchBackend):
@@ -95,6 +96,7 @@ class TensorParallelBackend(TorchBackend):
             max_num_seqs=spec.max_num_seqs,
             prepack_weights=spec.prepack_weights,
             attention_backend=spec.attention_backend,
+            cpu_kernels=spec.cpu_kernels,
         )
         parallelize(self.model, plan)
         # NOTE: the HF config holds the local sizes; the sampler sees the gathered vocabulary
@@ -121,6 +123,7 @@ class TensorParallelBackend(TorchBackend):
         prepack_weights: bool = True,
         attention_backend: str = AUTO,
         compile: bool = False,
+        cpu_kernels: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> TensorParallelBackend:
         """Start (or join) this process's group and load every rank's shard of `model`.
@@ -150,6 +153,7 @@ class TensorParallelBackend(TorchBackend):
                 max_num_seqs=max_num_seqs,
                 prepack_weights=prepack_weights,
                 attention_backend=attention_backend,
+                cpu_kernels=cpu_kernels,
             )
             with group.exchange():
                 group.send(Kind.LOAD, spec.instance_id)
