@@ -108,6 +108,12 @@ class Linear:
                     weight.detach(), plan.batch_hint
                 )
 
+    def adopt(self, inner: Linear, *, bias: bool = True) -> None:
+        """Take `inner`'s weight and packed copy (no repacking); `bias=False` drops its bias."""
+        self.__dict__.update(inner.__dict__)
+        if not bias:
+            self.bias = self.packed_bias = None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         if plan is not None and plan.min_rows <= x.shape[0] <= plan.max_rows:

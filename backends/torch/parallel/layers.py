@@ -36,10 +36,7 @@ class RowParallelLinear(Linear):
     """
 
     def __init__(self, inner: Linear, rank: int) -> None:  # NOTE: reuses inner's packed weight
-        self.weight = inner.weight
-        self.bias = inner.bias if rank == 0 else None
-        self.plan = inner.plan
-        self.packed = inner.packed
+        self.adopt(inner, bias=rank == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = super().__call__(x)  # (N, H) partial sum
@@ -51,10 +48,7 @@ class GatheredLMHead(Linear):
     """The vocabulary-parallel LM head: rank 0 gets the full logits, the others their part."""
 
     def __init__(self, inner: Linear, rank: int, world_size: int) -> None:
-        self.weight = inner.weight
-        self.bias = inner.bias
-        self.plan = inner.plan
-        self.packed = inner.packed
+        self.adopt(inner)
         self.rank = rank
         self.world_size = world_size
 
