@@ -209,3 +209,55 @@ def test_cpu_kernels_false_keeps_torchs_kernels_in_one_backend() -> None:
         torchs.model.linears[0].qkv.plan is None
         or torchs.model.linears[0].qkv.plan.kernel != NATIVE
     )
+
+
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of want's bf16 spacing (want rounded to bf16 first)."""
+    spacing = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
+    return (got.float() - want.float()).abs() / spacing
+
+
+def assert_as_hf(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: within fp32 sum-order noise; bf16: mostly bit-equal, never a bf16 step off."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        return
+    assert (bf16_ulps(got, want) <= 1.0).all()
+    assert (got == want).float().mean() >= 0.99
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [8, 64, 100, 576])
+def test_norm_kernels_compute_what_hfs_modules_compute(dtype: torch.dtype, hidden: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert KERNELS is not None
+    torch.manual_seed(hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+    h, d = torch.randn(37, hidden).to(dtype) * 3, torch.randn(37, hidden).to(dtype)
+    with torch.no_grad():
+        assert_as_hf(KERNELS.rms_norm(h, norm.weight, 1e-5), norm(h))
+        residual = h.clone()
+        normed = KERNELS.add_rms_norm(residual, d, norm.weight, 1e-5)
+        assert torch.equal(residual, h + d)  # the residual stream, updated in place
+        assert_as_hf(normed, norm(h + d))
+        gate, up = torch.randn(37, hidden).to(dtype) * 4, torch.randn(37, hidden).to(dtype)
+        assert_as_hf(KERNELS.silu_mul(gate, up), F.silu(gate) * up)
+
+
+@needs_kernels
+def test_norm_kernels_reject_mismatched_inputs() -> None:
+    assert KERNELS is not None
+    h = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        KERNELS.rms_norm(h, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="residual delta"):
+        KERNELS.add_rms_norm(h, torch.randn(4, 8).bfloat16(), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="up"):
+        KERNELS.silu_mul(h, torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        KERNELS.rms_norm(h.t(), torch.ones(4), 1e-5)

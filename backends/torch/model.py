@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from backends.torch import cpu_kernels as native_kernels
 from backends.torch import inductor, inputs
 from backends.torch.attention import AUTO, create_backend
 from backends.torch.attention.base import (
@@ -86,6 +87,26 @@ def attention_specs(hf_model: PreTrainedModel) -> list[AttentionSpec]:
     return specs
 
 
+#: the norm modules whose formula is `rms_norm`'s (LlamaRMSNorm: weight * x / rms(x))
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def _dense_kernels(hf_model: PreTrainedModel) -> Any:
+    """Carousel's CPU norm and activation kernels, where they compute what this model's own
+    modules do (an RMSNorm of the Llama kind, SiLU in the MLP, fp32 or bf16 on CPU); else None.
+    """
+    weight = hf_model.lm_head.weight
+    if weight.device.type != "cpu" or weight.dtype not in native_kernels.LINEAR_DTYPES:
+        return None
+    if getattr(hf_model.config, "hidden_act", None) != "silu":
+        return None
+    norms = [m for layer in hf_model.model.layers
+             for m in (layer.input_layernorm, layer.post_attention_layernorm)]  # fmt: skip
+    if not all(type(m).__name__ in _RMS_NORMS and m.weight.dtype == weight.dtype for m in norms):
+        return None
+    return native_kernels.native()
+
+
 class PagedCausalLM:
     """The forward pass of a Llama/Mistral/Qwen2/Qwen3 HF model over a paged KV cache."""
 
@@ -113,6 +134,13 @@ class PagedCausalLM:
         self.attention = create_backend(
             attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
         )
+        self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
+        self._norms = [
+            (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+             layer.post_attention_layernorm.weight,
+             float(layer.post_attention_layernorm.variance_epsilon))
+            for layer in self.layers
+        ] if self.dense_kernels is not None else []  # fmt: skip
         self.compiled = False  # see enable_compiled
 
     def compilable(self) -> bool:
@@ -140,6 +168,8 @@ class PagedCausalLM:
         rope = (cos[0, :, None, :], sin[0, :, None, :])  # (N, 1, hd): broadcast over heads
         if self.compiled:
             hidden = self._compiled_layers(hidden, rope, meta)
+        elif self.dense_kernels is not None:
+            hidden = self._fused_layers(hidden, rope, meta)
         else:
             for layer_idx, layer in enumerate(self.layers):
                 attn_in = layer.input_layernorm(hidden)
@@ -152,6 +182,28 @@ class PagedCausalLM:
         return self.lm_head_linear(self.norm(hidden[last]))  # (B', V)
 
     __call__ = forward
+
+    def _fused_layers(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The eager layers with each residual add and the norm after it as one CPU kernel.
+
+        `hidden` (fresh from the embedding) is the residual stream, updated in place.
+        """
+        kernels, norms = self.dense_kernels, self._norms
+        assert kernels is not None
+        x = kernels.rms_norm(hidden, norms[0][0], norms[0][1])
+        for layer_idx in range(len(norms)):
+            _, _, post_weight, post_eps = norms[layer_idx]
+            attn_out = self._attention(layer_idx, x, rope, meta)
+            x = kernels.add_rms_norm(hidden, attn_out, post_weight, post_eps)
+            mlp_out = self._mlp(layer_idx, x)
+            if layer_idx + 1 < len(norms):
+                next_weight, next_eps = norms[layer_idx + 1][:2]
+                x = kernels.add_rms_norm(hidden, mlp_out, next_weight, next_eps)
+            else:
+                hidden += mlp_out
+        return hidden
 
     def _compiled_layers(
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -224,6 +276,8 @@ class PagedCausalLM:
 
     def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         lin = self.linears[layer_idx]
+        if self.dense_kernels is not None:
+            return lin.down(self.dense_kernels.silu_mul(lin.gate(x), lin.up(x)))
         return lin.down(self.layers[layer_idx].mlp.act_fn(lin.gate(x)) * lin.up(x))
 
     def _attention(

@@ -13,4 +13,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"),
         pybind11::arg("window"), pybind11::arg("out"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rms_norm", &carousel::rms_norm, "RMSNorm over each row", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("add_rms_norm", &carousel::add_rms_norm,
+        "hidden += delta in place, then RMSNorm of hidden", pybind11::arg("hidden"),
+        pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("silu_mul", &carousel::silu_mul, "silu(gate) * up", pybind11::arg("gate"),
+        pybind11::arg("up"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -20,4 +20,14 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                       const torch::Tensor& context_lens, double scale, int64_t window,
                       const torch::Tensor& out);
 
+// LlamaRMSNorm's formula over each row of x (N, H), rounding where HF's module rounds.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// hidden += delta in place (the residual stream), then rms_norm(hidden): one pass per row.
+torch::Tensor add_rms_norm(const torch::Tensor& hidden, const torch::Tensor& delta,
+                           const torch::Tensor& weight, double eps);
+
+// silu(gate) * up (the MLP's activation), rounding where act_fn(gate) * up rounds.
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
+
 }  // namespace carousel

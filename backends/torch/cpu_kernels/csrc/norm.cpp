@@ -1,0 +1,159 @@
+// The per-token elementwise work of a decoder layer, one pass over each row instead of one
+// torch op (and one temporary tensor) per step of the formula.
+//
+// Each kernel rounds exactly where Hugging Face's modules round, so it computes what they do
+// up to the order of fp32 sums:
+//   rms_norm:      y = w * T(x * rsqrt(mean(x^2) + eps))             (LlamaRMSNorm and kin)
+//   add_rms_norm:  h = T(h + d); then rms_norm(h), h updated in place (the residual stream)
+//   silu_mul:      T(T(silu(g)) * u)                                  (act_fn(gate) * up)
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "kernels.h"
+
+namespace carousel {
+namespace {
+
+constexpr int kLanes = 16;
+
+inline __mmask16 tail_mask(int64_t n) {
+  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load(const at::BFloat16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(at::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+// v rounded to T and back (a no-op for fp32): where HF's module holds a T tensor
+inline __m512 round_to(__m512 v, const float*) { return v; }
+inline __m512 round_to(__m512 v, const at::BFloat16*) {
+  __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// e^x over the whole float range: 2^n * 2^f with |f| <= 1/2, 2^f by a degree-7 polynomial
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  static const float c[] = {1.0f,          0.693147180559945f, 0.240226506959101f,
+                            0.0555041086648216f, 0.00961812910762848f, 0.00133335581464284f,
+                            0.000154035303933816f, 1.52527338040598e-05f};
+  __m512 p = _mm512_set1_ps(c[7]);
+  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+// one row: optionally h = T(h + d) first; then out = w * T(h * rsqrt(mean(h^2) + eps))
+template <typename T>
+void norm_row(T* h, const T* d, const T* w, float eps, int64_t H, T* out) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += kLanes) {
+    const __mmask16 m = tail_mask(H - i);
+    __m512 x = load(h + i, m);
+    if (d != nullptr) {
+      x = round_to(_mm512_add_ps(x, load(d + i, m)), h);
+      store(h + i, x, m);
+    }
+    sq = _mm512_fmadd_ps(x, x, sq);
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(H) + eps);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < H; i += kLanes) {
+    const __mmask16 m = tail_mask(H - i);
+    const __m512 y = round_to(_mm512_mul_ps(load(h + i, m), scale), h);
+    store(out + i, _mm512_mul_ps(load(w + i, m), y), m);
+  }
+}
+
+template <typename T>
+void norm_rows(const torch::Tensor& h, const torch::Tensor* d, const torch::Tensor& w,
+               double eps, const torch::Tensor& out) {
+  const int64_t rows = h.size(0), H = h.size(1);
+  T* hp = h.data_ptr<T>();
+  const T* dp = d != nullptr ? d->data_ptr<T>() : nullptr;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      norm_row<T>(hp + r * H, dp != nullptr ? dp + r * H : nullptr, wp, static_cast<float>(eps),
+                  H, op + r * H);
+  });
+}
+
+void check_rows(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.sizes() == like.sizes() &&
+                  t.scalar_type() == like.scalar_type(),
+              name, " must be a contiguous matrix of the shape and dtype of the first input");
+}
+
+torch::Tensor norm(const torch::Tensor& h, const torch::Tensor* d, const torch::Tensor& w,
+                   double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "hidden must be a contiguous (N, H) matrix");
+  if (d != nullptr) check_rows(*d, h, "the residual delta");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == h.size(1) &&
+                  w.scalar_type() == h.scalar_type(),
+              "weight must be contiguous (H,) in the dtype of hidden");
+  auto out = torch::empty_like(h);
+  if (h.scalar_type() == torch::kBFloat16) {
+    norm_rows<at::BFloat16>(h, d, w, eps, out);
+  } else if (h.scalar_type() == torch::kFloat32) {
+    norm_rows<float>(h, d, w, eps, out);
+  } else {
+    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16, not ", h.scalar_type());
+  }
+  return out;
+}
+
+template <typename T>
+void silu_mul_rows(const torch::Tensor& g, const torch::Tensor& u, const torch::Tensor& out) {
+  const int64_t n = g.numel();
+  const T* gp = g.data_ptr<T>();
+  const T* up = u.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, (n + kLanes - 1) / kLanes, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t i = c * kLanes;
+      const __mmask16 m = tail_mask(n - i);
+      const __m512 x = load(gp + i, m);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 s = round_to(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), op);
+      store(op + i, _mm512_mul_ps(s, load(up + i, m)), m);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return norm(x, nullptr, weight, eps);
+}
+
+torch::Tensor add_rms_norm(const torch::Tensor& hidden, const torch::Tensor& delta,
+                           const torch::Tensor& weight, double eps) {
+  return norm(hidden, &delta, weight, eps);
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.is_contiguous(), "gate must be contiguous");
+  check_rows(up, gate, "up");
+  auto out = torch::empty_like(gate);
+  if (gate.scalar_type() == torch::kBFloat16) {
+    silu_mul_rows<at::BFloat16>(gate, up, out);
+  } else if (gate.scalar_type() == torch::kFloat32) {
+    silu_mul_rows<float>(gate, up, out);
+  } else {
+    TORCH_CHECK(false, "silu_mul supports float32 and bfloat16, not ", gate.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace carousel
