@@ -261,3 +261,49 @@ def test_norm_kernels_reject_mismatched_inputs() -> None:
         KERNELS.silu_mul(h, torch.randn(4, 9))
     with pytest.raises(RuntimeError, match="contiguous"):
         KERNELS.rms_norm(h.t(), torch.ones(4), 1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv", "head_dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 40)])
+def test_rotary_write_kv_is_hfs_rotary_and_a_cache_write(
+    dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int
+) -> None:
+    from backends.torch.model import rotate_half
+
+    assert KERNELS is not None
+    torch.manual_seed(head_dim)
+    n, block = 11, 4
+    qkv = torch.randn(n, (num_heads + 2 * num_kv) * head_dim).to(dtype)
+    angles = torch.randn(n, head_dim // 2).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    caches = [torch.zeros(8, block, num_kv, head_dim, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(8 * block)[:n]
+    qk = qkv[:, : (num_heads + num_kv) * head_dim].view(n, -1, head_dim)
+    want = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # HF's formula, op by op
+    v = qkv[:, (num_heads + num_kv) * head_dim :].clone().view(n, num_kv, head_dim)
+    KERNELS.rotary_write_kv(qkv, cos, sin, caches[0], caches[1], slots, num_heads, num_kv)
+    assert torch.equal(qk, want)  # rotated in place, bit for bit
+    k_rows = caches[0].view(-1, num_kv, head_dim)[slots]
+    assert torch.equal(k_rows, want[:, num_heads:])
+    assert torch.equal(caches[1].view(-1, num_kv, head_dim)[slots], v)
+    untouched = torch.ones(8 * block, dtype=torch.bool)
+    untouched[slots] = False
+    assert (caches[0].view(8 * block, -1)[untouched] == 0).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_is_torchs_first_index_of_the_maximum(dtype: torch.dtype) -> None:
+    assert KERNELS is not None
+    torch.manual_seed(0)
+    logits = torch.randn(9, 1003).to(dtype)
+    logits[1] = 0.0  # all tied: the first index
+    logits[2, [5, 700, 1002]] = 50.0  # ties across lanes and the tail
+    logits[3] = -math.inf
+    logits[4, 17] = math.nan
+    logits[5, :] = torch.arange(1003).to(dtype)  # the last element, in the tail
+    wide = torch.randn(9, 1100).to(dtype)
+    wide[:, :1003] = logits
+    for x in (logits, wide[:, :1003]):  # contiguous rows, and rows of a wider matrix
+        assert torch.equal(KERNELS.argmax(x), x.argmax(dim=-1))

@@ -22,6 +22,7 @@ from backends.torch import cpu_kernels as native_kernels
 from backends.torch import inductor, inputs
 from backends.torch.attention import AUTO, create_backend
 from backends.torch.attention.base import (
+    AttentionBackend,
     AttentionMetadata,
     AttentionSpec,
     BatchLayout,
@@ -141,6 +142,14 @@ class PagedCausalLM:
              float(layer.post_attention_layernorm.variance_epsilon))
             for layer in self.layers
         ] if self.dense_kernels is not None else []  # fmt: skip
+        # NOTE: the kernel writes the shared cache layout itself: only for backends that
+        # store K/V as the base class does, and only where no per-head norm precedes rotary
+        self._fused_rotary = (
+            self.dense_kernels is not None
+            and type(self.attention).write_kv is AttentionBackend.write_kv
+            and not any(hasattr(layer.self_attn, "q_norm") for layer in self.layers)
+            and all(spec.head_dim % 2 == 0 for spec in self.specs)
+        )
         self.compiled = False  # see enable_compiled
 
     def compilable(self) -> bool:
@@ -299,6 +308,16 @@ class PagedCausalLM:
             k = attn.k_norm(qkv[:, q_size:qk_size].view(n, nkv, hd))
             q = q * cos + rotate_half(q) * sin  # (N, nh, hd)
             k = k * cos + rotate_half(k) * sin  # (N, nkv, hd)
+        elif self._fused_rotary:  # rotary in place and K/V into the cache, one kernel
+            assert self.dense_kernels is not None
+            self.dense_kernels.rotary_write_kv(
+                qkv, cos[:, 0], sin[:, 0], self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx],
+                meta.layout.slot_mapping, nh, nkv,
+            )  # fmt: skip
+            q = qkv[:, :q_size].view(n, nh, hd)
+            k = qkv[:, q_size:qk_size].view(n, nkv, hd)
+            out = self.attention.attend(layer_idx, q, k, v, meta)  # (N, nh, hd)
+            return self.linears[layer_idx].o_proj(out.view(n, q_size))  # (N, H)
         else:  # one rotary over the Q and K heads together
             qk = qkv[:, :qk_size].view(n, nh + nkv, hd)
             qk = qk * cos + rotate_half(qk) * sin

@@ -145,7 +145,9 @@ class TorchBackend(Backend):
         self.model.attention.warm_up()
         if compile and self.model.compilable():
             self.model.enable_compiled()
-        self.sampler = Sampler(config.vocab_size, self.device, max_num_seqs)
+        self.sampler = Sampler(
+            config.vocab_size, self.device, max_num_seqs, cpu_kernels=cpu_kernels
+        )
 
     @classmethod
     def create(cls, model: PreTrainedModel, tokenizer: Any, **kwargs: Any) -> TorchBackend:

@@ -25,9 +25,11 @@ from __future__ import annotations
 import itertools
 import math
 import secrets
+from collections.abc import Callable
 
 import torch
 
+from backends.torch import cpu_kernels as cpu_kernels_module
 from backends.torch.grammar_mask import GrammarMask
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
@@ -55,9 +57,17 @@ class Sampler:
     without one skips that step entirely.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device, max_num_seqs: int = 256) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        max_num_seqs: int = 256,
+        *,
+        cpu_kernels: bool = True,
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self._argmax = _argmax_of(self.device, cpu_kernels)
         self._generators: dict[int, torch.Generator] = {}
         self._grammar_mask = GrammarMask(vocab_size, max_rows=max_num_seqs)
 
@@ -76,7 +86,7 @@ class Sampler:
         if any(seq.grammar is not None for seq in seqs):  # NOTE: other rows stay untouched
             self._grammar_mask(logits, [seq.grammar for seq in seqs])
         if all(_is_greedy(p) for p in params):
-            tokens = logits.argmax(dim=-1)  # [B]
+            tokens = self._argmax(logits)  # [B]
         else:
             tokens = self._pick(logits, seqs)
         token_ids = tokens.tolist()
@@ -109,7 +119,7 @@ class Sampler:
         greedy = [i for i, seq in enumerate(seqs) if _is_greedy(seq.sampling_params)]
         if greedy:
             rows = torch.tensor(greedy, device=logits.device)
-            tokens[rows] = logits[rows].argmax(dim=-1)
+            tokens[rows] = self._argmax(logits[rows])
         sampled = [i for i, seq in enumerate(seqs) if not _is_greedy(seq.sampling_params)]
         rows = torch.tensor(sampled, device=logits.device)
         tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled])
@@ -144,6 +154,16 @@ class Sampler:
             generator.manual_seed(seed)
             self._generators[seq.seq_id] = generator
         return generator
+
+
+def _argmax_of(device: torch.device, cpu_kernels: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Row argmax: Carousel's CPU kernel where it runs (torch's took 0.5 ms for 32 x 49152
+    fp32 logits on the 2-core CPU, single-threaded), else `torch.argmax`; both give the first
+    index of the maximum (a NaN counting as the maximum)."""
+    kernels = cpu_kernels_module.native() if cpu_kernels and device.type == "cpu" else None
+    if kernels is None:
+        return lambda logits: logits.argmax(dim=-1)
+    return kernels.argmax  # type: ignore[no-any-return]
 
 
 def _is_greedy(params: SamplingParams) -> bool:

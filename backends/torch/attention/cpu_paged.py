@@ -73,8 +73,9 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         spec = self.layers[layer]
         window = -1 if spec.sliding_window is None else spec.sliding_window
         if meta.all_decodes:  # a pure decode step: rows are the decodes, in order
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
-            self._decode(layer, q.contiguous(), meta, window, out)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            heads_contiguous = q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            self._decode(layer, q if heads_contiguous else q.contiguous(), meta, window, out)
             return out
         out = q.new_empty(q.shape)  # (N, nh, hd)
         prefill_all(self, layer, q, k, v, meta.layout, meta.prefill_masks[spec.sliding_window], out)

@@ -37,9 +37,20 @@ from backends.torch.loader import cache_dir
 
 log = structlog.get_logger("carousel.engine")
 
-SOURCES = ("bindings.cpp", "linear.cpp", "decode_attention.cpp", "norm.cpp")
+SOURCES = ("bindings.cpp", "linear.cpp", "decode_attention.cpp", "norm.cpp", "rotary.cpp")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+# NOTE: -ffp-contract=off: an elementwise formula (rotary) must round after each product, as
+# torch's ops do, not fuse it into the next add
+FLAGS = [
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mfma",
+    "-fopenmp",
+    "-ffp-contract=off",
+]
 ENV_SWITCH = "CAROUSEL_CPU_KERNELS"
 
 _lock = threading.Lock()

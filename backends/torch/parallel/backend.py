@@ -100,7 +100,9 @@ class TensorParallelBackend(TorchBackend):
         )
         parallelize(self.model, plan)
         # NOTE: the HF config holds the local sizes; the sampler sees the gathered vocabulary
-        self.sampler = Sampler(plan.dims.vocab_size, self.device, spec.max_num_seqs)
+        self.sampler = Sampler(
+            plan.dims.vocab_size, self.device, spec.max_num_seqs, cpu_kernels=spec.cpu_kernels
+        )
 
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         return self._num_blocks

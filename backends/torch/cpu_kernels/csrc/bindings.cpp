@@ -22,4 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("silu_mul", &carousel::silu_mul, "silu(gate) * up", pybind11::arg("gate"),
         pybind11::arg("up"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rotary_write_kv", &carousel::rotary_write_kv,
+        "rotary on a fused QKV's Q and K heads in place, K/V into their cache slots",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
+        pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("argmax", &carousel::argmax, "the first index of each row's maximum", pybind11::arg("x"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

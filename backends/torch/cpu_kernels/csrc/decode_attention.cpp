@@ -1,9 +1,11 @@
 // Decode attention that reads K/V in place from the paged cache.
 //
-// One task per (sequence, K/V head): its g query heads are scored against every key of the
-// sequence's context, block by block through its block table, then softmax'd and summed over
-// the values. Each K and V row is read once per task, for all g query heads together. fp32
-// math throughout (bf16 caches are widened on load).
+// One task per sequence (all its K/V heads: each cache slot is read as one run), or per
+// (sequence, K/V head) when there are too few sequences to keep every thread busy. A task
+// scores its query heads against every key of the context (the g query heads of a K/V head
+// together, so each K and V row is read once), softmaxes, and sums the values. The slots are
+// listed once from the block table and each row is prefetched a few keys ahead (blocks are
+// scattered: the hardware prefetcher cannot follow). fp32 math throughout (bf16 widened).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -11,45 +13,12 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace carousel {
 namespace {
 
-constexpr int kLanes = 16;
 constexpr int64_t kMaxGroup = 16;  // query heads per K/V head
-
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-
-inline __m512 load(const at::BFloat16* p, __mmask16 m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-
-inline void store(at::BFloat16* p, __m512 v, __mmask16 m) {
-  __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-  _mm256_mask_storeu_epi16(p, m, h);
-}
-
-// e^x for x <= 0: 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, 2^f by its degree-7 Taylor
-// polynomial (relative error below 1e-7), 2^n by vscalefps.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  static const float c[] = {1.0f,          0.693147180559945f, 0.240226506959101f,
-                            0.0555041086648216f, 0.00961812910762848f, 0.00133335581464284f,
-                            0.000154035303933816f, 1.52527338040598e-05f};
-  __m512 p = _mm512_set1_ps(c[7]);
-  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-  return _mm512_scalef_ps(p, n);
-}
 
 struct Shape {
   int64_t block_size, num_kv_heads, group, head_dim;
@@ -70,7 +39,8 @@ inline void prefetch_row(const T* slot, int64_t h0, int64_t h1, int64_t hd) {
 // q and out point at the sequence's first query head; the caches at its slot rows.
 template <typename T>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t start,
-            int64_t stop, int64_t h0, int64_t h1, const Shape& s, std::vector<float>& buf, std::vector<int64_t>& slot_buf, T* out) {
+            int64_t stop, int64_t h0, int64_t h1, const Shape& s, std::vector<float>& buf,
+            std::vector<int64_t>& slot_buf, T* out) {
   const int64_t n = stop - start, g = s.group, hd = s.head_dim;
   const int64_t chunks = (hd + kLanes - 1) / kLanes;
   const int64_t hp = chunks * kLanes;  // head stride in buf: whole vectors, zero tail lanes
@@ -130,7 +100,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
     float* row = scores + r * n;
     for (int64_t i = 0; i < n; i += kLanes) {
       const __mmask16 m = tail_mask(n - i);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), top));
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), top));
       _mm512_mask_storeu_ps(row + i, m, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
     }
@@ -185,7 +155,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       const int64_t d = task / splits, h0 = (task % splits) * per_task;
       const int64_t stop = lens[d];
       const int64_t start = window >= 0 ? std::max<int64_t>(0, stop - window) : 0;
-      attend<T>(qp + d * nh * hd, kp, vp, bt + d * width, start, stop, h0, h0 + per_task, s, buf, slots,
+      attend<T>(qp + d * q.stride(0), kp, vp, bt + d * width, start, stop, h0, h0 + per_task, s, buf, slots,
                 op + d * nh * hd);
     }
   });
@@ -197,8 +167,9 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                       const torch::Tensor& context_lens, double scale, int64_t window,
                       const torch::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
-              "q and out must be contiguous (D, nh, hd)");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() &&
+                  out.sizes() == q.sizes(),
+              "q must be (D, nh, hd) with contiguous heads (any row stride), out contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(),
               "caches must be contiguous (num_blocks, block_size, nkv, hd)");

@@ -30,4 +30,13 @@ torch::Tensor add_rms_norm(const torch::Tensor& hidden, const torch::Tensor& del
 // silu(gate) * up (the MLP's activation), rounding where act_fn(gate) * up rounds.
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up);
 
+// Rotary embedding of the Q and K heads of a fused (N, (nh + 2 nkv) hd) projection, in place,
+// and each token's K and V heads copied into its cache slot.
+void rotary_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& slots, int64_t num_heads, int64_t num_kv_heads);
+
+// torch.argmax(x, dim=-1) of a (B, V) matrix: the first index of each row's maximum.
+torch::Tensor argmax(const torch::Tensor& x);
+
 }  // namespace carousel
