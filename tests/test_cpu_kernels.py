@@ -12,6 +12,8 @@ import math
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +309,25 @@ def test_argmax_is_torchs_first_index_of_the_maximum(dtype: torch.dtype) -> None
     wide[:, :1003] = logits
     for x in (logits, wide[:, :1003]):  # contiguous rows, and rows of a wider matrix
         assert torch.equal(KERNELS.argmax(x), x.argmax(dim=-1))
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_a_build_killed_half_way_leaves_no_lock_behind(tmp_path: Path) -> None:
+    """A server stopped while it compiles must not leave every later start waiting forever
+    (torch's own lock file outlives its process; the flock around it does not)."""
+    code = "from backends.torch import cpu_kernels; assert cpu_kernels.native() is not None"
+    env = {**os.environ, "CAROUSEL_CACHE_DIR": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("cpu_kernels/*/lock")):  # torch's lock: the build is under way
+        assert time.monotonic() < deadline and first.poll() is None, "the build never started"
+        time.sleep(0.1)
+    first.kill()
+    first.wait()
+    assert list(tmp_path.glob("cpu_kernels/*/lock")), "the killed build left torch's lock file"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    # and a third process imports what the second one built, without building again
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert time.monotonic() - started < 60

@@ -14,14 +14,18 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
   decode step drops 7-11% with them.
 
 They are built with torch's C++ extension loader (g++ and ninja) into Carousel's cache dir
-(`cpu_kernels/`), about 20 s the first time; later processes load the built module in well under a
-second. Where they cannot run (no AVX-512 with BF16, no compiler, a failed build, or
-`CAROUSEL_CPU_KERNELS=0`), `native()` returns None, the reason is logged once, and callers keep
-torch's own kernels.
+(`cpu_kernels/<digest of the sources, flags, torch and Python>/`), about 20-40 s the first
+time, under an flock (a build killed half-way leaves no lock behind); later processes import
+the built module directly, in well under a second. Where they cannot run (no AVX-512 with
+BF16, no compiler, a failed build, or `CAROUSEL_CPU_KERNELS=0`), `native()` returns None, the
+reason is logged once, and callers keep torch's own kernels.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -37,6 +41,9 @@ from backends.torch.loader import cache_dir
 
 log = structlog.get_logger("carousel.engine")
 
+MODULE = "carousel_cpu_kernels"
+CSRC = Path(__file__).with_name("csrc")
+HEADERS = ("kernels.h", "simd.h")
 SOURCES = ("bindings.cpp", "linear.cpp", "decode_attention.cpp", "norm.cpp", "rotary.cpp")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # NOTE: -ffp-contract=off: an elementwise formula (rotary) must round after each product, as
@@ -99,26 +106,61 @@ def _build() -> ModuleType | None:
     if reason is not None:
         log.info("cpu_kernels_off", reason=reason)
         return None
-    _put_ninja_on_path()
-    from torch.utils import cpp_extension
-
-    src = Path(__file__).with_name("csrc")
-    build_dir = cache_dir() / "cpu_kernels"
+    build_dir = cache_dir() / "cpu_kernels" / _digest()
     build_dir.mkdir(parents=True, exist_ok=True)
-    log.info("cpu_kernels_loading", build_dir=str(build_dir), note="a first build takes ~20 s")
     try:
-        module = cpp_extension.load(
-            name="carousel_cpu_kernels",
-            sources=[str(src / s) for s in SOURCES],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        # NOTE: an flock, not torch's own lock file: the OS releases it when its holder dies,
+        # so a build killed half-way (a server stopped while starting) never leaves every
+        # later process waiting on its lock file forever
+        with (build_dir / "carousel.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            built = build_dir / f"{MODULE}.so"
+            if built.exists():
+                module = _import(built)
+            else:
+                log.info("cpu_kernels_building", build_dir=str(build_dir), note="about 20-40 s")
+                (build_dir / "lock").unlink(missing_ok=True)  # torch's, from a build that died
+                module = _compile(build_dir)
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
         log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
         return None
-    log.info("cpu_kernels_ready")
+    log.info("cpu_kernels_ready", module=str(module.__file__))
+    return module
+
+
+def _digest() -> str:
+    """What the built module depends on: the sources, the flags, torch and Python."""
+    digest = hashlib.sha256()
+    for name in [*SOURCES, *HEADERS]:
+        digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(f"{torch.__version__} {sys.version}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(build_dir: Path) -> ModuleType:
+    _put_ninja_on_path()
+    from torch.utils import cpp_extension
+
+    module: ModuleType = cpp_extension.load(
+        name=MODULE,
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    return module
+
+
+def _import(path: Path) -> ModuleType:
+    """The already-built module at `path` (no compiler, no ninja run)."""
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[MODULE] = module
     return module
 
 
