@@ -19,31 +19,21 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from roofline import best_time  # noqa: E402
 
 from backends.torch import cpu_kernels  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN),
           (HIDDEN, INTERMEDIATE)]  # fmt: skip
-
-
-def best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def linears(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
@@ -69,7 +59,7 @@ def linears(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
             for w, p in zip(weights, onednn, strict=True):
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
-        a, b = best(run_ours, repeats), best(run_onednn, repeats)
+        a, b = best_time(run_ours, repeats), best_time(run_onednn, repeats)
         print(f"| {m} | {a * 1e3:.2f} | {nbytes / a / 1e9:.0f} | {b * 1e3:.2f} | "
               f"{nbytes / b / 1e9:.0f} | {b / a:.2f}x |")  # fmt: skip
 
@@ -105,7 +95,7 @@ def attention(dtype: torch.dtype, repeats: int) -> None:
                 scale=hd**-0.5,
             )  # fmt: skip
 
-    a, b = best(run_ours, repeats), best(run_sdpa, repeats)
+    a, b = best_time(run_ours, repeats), best_time(run_sdpa, repeats)
     print(f"\ndecode attention, {dtype}: {seqs} sequences x {ctx} keys, {heads} query / "
           f"{kv_heads} K/V heads, block {block}, {LAYERS} layers' caches in turn")  # fmt: skip
     print(f"Carousel {a / LAYERS * 1e6:.0f} us a layer; gather + SDPA {b / LAYERS * 1e6:.0f} us"

@@ -97,7 +97,7 @@ def _dense_kernels(hf_model: PreTrainedModel) -> Any:
     modules do (an RMSNorm of the Llama kind, SiLU in the MLP, fp32 or bf16 on CPU); else None.
     """
     weight = hf_model.lm_head.weight
-    if weight.device.type != "cpu" or weight.dtype not in native_kernels.LINEAR_DTYPES:
+    if weight.device.type != "cpu" or weight.dtype not in native_kernels.DTYPES:
         return None
     if getattr(hf_model.config, "hidden_act", None) != "silu":
         return None

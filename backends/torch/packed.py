@@ -69,7 +69,7 @@ def pack_plan(device: torch.device, dtype: torch.dtype, *, native: bool = True) 
     """
     if device.type != "cpu":
         return None
-    if native and dtype in cpu_kernels.LINEAR_DTYPES and cpu_kernels.native() is not None:
+    if native and dtype in cpu_kernels.DTYPES and cpu_kernels.native() is not None:
         return _NATIVE_PLAN
     if not torch.backends.mkldnn.is_available():
         return None

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from backends.torch import cpu_kernels
 from backends.torch.attention.base import AttentionBackend, AttentionSpec
 from backends.torch.kv_cache import KVCache
 
@@ -42,8 +43,6 @@ _BACKENDS = {
     ),
     "cpu_paged": _Entry("backends.torch.attention.cpu_paged:CpuPagedBackend", ("cpu",)),
 }
-#: the dtypes of the caches `cpu_paged` reads (attention/cpu_paged.py)
-_CPU_PAGED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def backend_names() -> list[str]:
@@ -53,7 +52,7 @@ def backend_names() -> list[str]:
 
 def available_backends(device: torch.device) -> list[str]:
     """The registered backends that can run on `device` in this environment."""
-    from backends.torch import cpu_kernels, inductor
+    from backends.torch import inductor
 
     names = [n for n, e in _BACKENDS.items() if device.type in e.devices]
     if not inductor.compiler_available():
@@ -75,7 +74,7 @@ def resolve_name(
         if (
             native
             and device.type == "cpu"
-            and dtype in _CPU_PAGED_DTYPES
+            and dtype in cpu_kernels.DTYPES
             and "cpu_paged" in available_backends(device)
         ):
             return "cpu_paged"
@@ -88,12 +87,10 @@ def resolve_name(
         raise ValueError(
             f"attention backend {name!r} runs on {', '.join(entry.devices)}, not {device.type}"
         )
-    if name == "cpu_paged":
-        from backends.torch import cpu_kernels
-
-        if cpu_kernels.native() is None:
-            why = cpu_kernels.unavailable_reason() or "their build failed (see the log)"
-            raise ValueError(f"attention backend 'cpu_paged' needs Carousel's CPU kernels: {why}")
+    if name == "cpu_paged" and cpu_kernels.native() is None:
+        raise ValueError(
+            f"attention backend 'cpu_paged' needs Carousel's CPU kernels: {cpu_kernels.why_off()}"
+        )
     return name
 
 

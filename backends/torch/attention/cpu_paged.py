@@ -1,11 +1,12 @@
 """Decodes through Carousel's own CPU kernel, reading K/V in place from the paged cache.
 
 Prefills run as in `sdpa` (one SDPA call per sequence). Decodes (one new token each) go to
-`cpu_kernels.native().decode_attention`: one task per (sequence, K/V head) walks the
-sequence's block table, scores its g query heads against every key at once, and sums the
-values in fp32. Nothing is gathered out of the cache and no padding mask is built, so a decode
-costs what its own context costs, not the widest block table's (sdpa's gather plus masked
-SDPA took about 600 us per layer at B = 64 on the 2-core CPU; docs/benchmarks.md, issue 15).
+`cpu_kernels.native().decode_attention`: one task per sequence (per (sequence, K/V head)
+when there are too few sequences for the threads) walks the sequence's block table, scores
+each K/V head's g query heads against every key together, and sums the values in fp32.
+Nothing is gathered out of the cache and no padding mask is built, so a decode costs what
+its own context costs, not the widest block table's (sdpa's gather plus masked SDPA took
+about 600 us per layer at B = 64 on the 2-core CPU; docs/benchmarks.md, issue 15).
 
 Runs on CPUs with AVX-512 and BF16 where the kernels build (cpu_kernels); fp32 and bf16.
 """
@@ -27,8 +28,6 @@ from backends.torch.attention.base import (
 from backends.torch.attention.sdpa import prefill_all, prefill_masks
 from backends.torch.kv_cache import KVCache
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class CpuPagedMetadata(AttentionMetadata):
@@ -48,9 +47,9 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         super().__init__(kv_cache, layers)
         kernels = cpu_kernels.native()
         if kernels is None:
-            raise RuntimeError(f"cpu_paged needs Carousel's CPU kernels: {_why_not()}")
+            raise RuntimeError(f"cpu_paged needs Carousel's CPU kernels: {cpu_kernels.why_off()}")
         dtype = kv_cache.k[0].dtype
-        if dtype not in SUPPORTED_DTYPES:
+        if dtype not in cpu_kernels.DTYPES:
             raise ValueError(f"cpu_paged runs float32 and bfloat16, not {dtype}")
         self.kernel = kernels.decode_attention
         self.windows = sorted({spec.sliding_window for spec in layers}, key=str)
@@ -93,7 +92,3 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
             q, self.kv_cache.k[layer], self.kv_cache.v[layer], meta.block_tables,
             meta.context_lens, self.layers[layer].scale, window, out,
         )  # fmt: skip
-
-
-def _why_not() -> str:
-    return cpu_kernels.unavailable_reason() or "their build failed (see the log)"

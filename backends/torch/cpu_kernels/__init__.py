@@ -90,6 +90,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def why_off() -> str:
+    """Why `native()` is None: the reason they cannot run here, or their failed build."""
+    return unavailable_reason() or "their build failed (see the log)"
+
+
 def native() -> ModuleType | None:
     """The compiled kernels' module (built on the first call), or None where they can't run."""
     global _loaded
@@ -176,15 +181,14 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
 
 
-LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+#: the dtypes every kernel computes in
+DTYPES = (torch.float32, torch.bfloat16)
 TILE_COLS = 64  # output rows of one packed weight tile (kTileCols in csrc/kernels.h)
 
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether `linear` can take this (N, K) weight (fp32, or bf16 with an even K)."""
-    return weight.dtype in LINEAR_DTYPES and (
-        weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
-    )
+    return weight.dtype in DTYPES and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
