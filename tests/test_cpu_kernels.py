@@ -30,6 +30,13 @@ needs_kernels = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def test_the_kernels_build_wherever_nothing_rules_them_out() -> None:
+    """A failed build falls back to torch's kernels in a server; here it must not pass
+    unseen (every other test in this file would only be skipped)."""
+    if cpu_kernels.unavailable_reason() is None:
+        assert KERNELS is not None, "the CPU kernels failed to build (see the log above)"
+
+
 def reference_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 

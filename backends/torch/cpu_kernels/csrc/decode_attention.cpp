@@ -155,8 +155,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       const int64_t d = task / splits, h0 = (task % splits) * per_task;
       const int64_t stop = lens[d];
       const int64_t start = window >= 0 ? std::max<int64_t>(0, stop - window) : 0;
-      attend<T>(qp + d * q.stride(0), kp, vp, bt + d * width, start, stop, h0, h0 + per_task, s, buf, slots,
-                op + d * nh * hd);
+      attend<T>(qp + d * q.stride(0), kp, vp, bt + d * width, start, stop, h0, h0 + per_task, s,
+                buf, slots, op + d * nh * hd);
     }
   });
 }
@@ -182,13 +182,9 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
               "block_tables (D, nb) and context_lens (D,) must be contiguous int64");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
               "q, caches and out must share a dtype");
-  if (q.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
-  } else if (q.scalar_type() == torch::kFloat32) {
-    run<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
-  } else {
-    TORCH_CHECK(false, "decode_attention supports float32 and bfloat16, not ", q.scalar_type());
-  }
+  dispatch(q.scalar_type(), "decode_attention", [&](auto t) {
+    run<decltype(t)>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  });
 }
 
 }  // namespace carousel

@@ -12,8 +12,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace carousel {
 namespace {
@@ -53,25 +55,13 @@ struct Traits<float> {
   }
 };
 
-inline void store_row(const __m512 (&acc)[4], const float* bias, float* y, int64_t cols) {
-  alignas(64) float tmp[kTileCols];
+template <typename T>
+inline void store_row(const __m512 (&acc)[4], const float* bias, T* y, int64_t cols) {
   for (int j = 0; j < 4; ++j) {
     __m512 v = acc[j];
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-    _mm512_store_ps(tmp + 16 * j, v);
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + kLanes * j));
+    store(y + kLanes * j, v, tail_mask(cols - kLanes * j));  // bf16: nearest even, as torch
   }
-  std::memcpy(y, tmp, cols * sizeof(float));
-}
-
-inline void store_row(const __m512 (&acc)[4], const float* bias, at::BFloat16* y, int64_t cols) {
-  alignas(64) uint16_t tmp[kTileCols];
-  for (int j = 0; j < 4; ++j) {
-    __m512 v = acc[j];
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * j));
-    __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch does
-    std::memcpy(tmp + 16 * j, &h, sizeof(h));
-  }
-  std::memcpy(y, tmp, cols * sizeof(uint16_t));
 }
 
 // `rows` (<= kRows) rows of x against one packed tile; y points at the tile's first column.
@@ -135,7 +125,8 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tenso
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (M, K) matrix");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.scalar_type() == x.scalar_type(),
               "packed weight must come from pack_weight for x's dtype");
   const int64_t K = x.size(1);
   TORCH_CHECK(packed.size(1) * packed.size(2) == K * kTileCols, "weight and x disagree on K");
@@ -148,14 +139,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
     bp = &*bias;
   }
   auto y = torch::empty({x.size(0), out_features}, x.options());
-  if (x.scalar_type() == torch::kBFloat16) {
-    TORCH_CHECK(K % 2 == 0, "bf16 needs an even K");
-    run<at::BFloat16>(x, packed, bp, y);
-  } else if (x.scalar_type() == torch::kFloat32) {
-    run<float>(x, packed, bp, y);
-  } else {
-    TORCH_CHECK(false, "linear supports float32 and bfloat16, not ", x.scalar_type());
-  }
+  dispatch(x.scalar_type(), "linear", [&](auto t) {
+    using T = decltype(t);
+    constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
+    TORCH_CHECK(!bf16 || K % 2 == 0, "bf16 needs an even K");
+    run<T>(x, packed, bp, y);
+  });
   return y;
 }
 

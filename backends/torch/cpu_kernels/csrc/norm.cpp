@@ -68,13 +68,8 @@ torch::Tensor norm(const torch::Tensor& h, const torch::Tensor* d, const torch::
                   w.scalar_type() == h.scalar_type(),
               "weight must be contiguous (H,) in the dtype of hidden");
   auto out = torch::empty_like(h);
-  if (h.scalar_type() == torch::kBFloat16) {
-    norm_rows<at::BFloat16>(h, d, w, eps, out);
-  } else if (h.scalar_type() == torch::kFloat32) {
-    norm_rows<float>(h, d, w, eps, out);
-  } else {
-    TORCH_CHECK(false, "rms_norm supports float32 and bfloat16, not ", h.scalar_type());
-  }
+  dispatch(h.scalar_type(), "rms_norm",
+           [&](auto t) { norm_rows<decltype(t)>(h, d, w, eps, out); });
   return out;
 }
 
@@ -111,13 +106,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   TORCH_CHECK(gate.is_contiguous(), "gate must be contiguous");
   check_rows(up, gate, "up");
   auto out = torch::empty_like(gate);
-  if (gate.scalar_type() == torch::kBFloat16) {
-    silu_mul_rows<at::BFloat16>(gate, up, out);
-  } else if (gate.scalar_type() == torch::kFloat32) {
-    silu_mul_rows<float>(gate, up, out);
-  } else {
-    TORCH_CHECK(false, "silu_mul supports float32 and bfloat16, not ", gate.scalar_type());
-  }
+  dispatch(gate.scalar_type(), "silu_mul",
+           [&](auto t) { silu_mul_rows<decltype(t)>(gate, up, out); });
   return out;
 }
 

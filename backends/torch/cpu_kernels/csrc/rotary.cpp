@@ -130,26 +130,16 @@ void rotary_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const t
               "slots must be contiguous int64, one per token");
   for (const torch::Tensor* t : {&cos, &sin, &k_cache, &v_cache})
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv, cos, sin and caches share a dtype");
-  if (qkv.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
-  } else if (qkv.scalar_type() == torch::kFloat32) {
-    run<float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
-  } else {
-    TORCH_CHECK(false, "rotary_write_kv supports float32 and bfloat16, not ", qkv.scalar_type());
-  }
+  dispatch(qkv.scalar_type(), "rotary_write_kv", [&](auto t) {
+    run<decltype(t)>(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads);
+  });
 }
 
 torch::Tensor argmax(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
               "x must be a non-empty (B, V) matrix with unit stride along V");
   auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
-  if (x.scalar_type() == torch::kFloat32) {
-    argmax_rows<float>(x, out);
-  } else if (x.scalar_type() == torch::kBFloat16) {
-    argmax_rows<at::BFloat16>(x, out);
-  } else {
-    TORCH_CHECK(false, "argmax supports float32 and bfloat16, not ", x.scalar_type());
-  }
+  dispatch(x.scalar_type(), "argmax", [&](auto t) { argmax_rows<decltype(t)>(x, out); });
   return out;
 }
 

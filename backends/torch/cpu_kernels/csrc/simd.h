@@ -11,9 +11,23 @@ namespace carousel {
 
 constexpr int kLanes = 16;
 
-// the first n lanes (all 16 from n >= 16)
+// the first n lanes (none for n <= 0, all 16 from n >= 16)
 inline __mmask16 tail_mask(int64_t n) {
+  if (n <= 0) return 0;
   return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// f(T{}) with T the element type of `dtype` (float or at::BFloat16), the dtypes every kernel
+// computes in; anything else is an error naming the kernel
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* kernel, F&& f) {
+  if (dtype == at::kBFloat16) {
+    f(at::BFloat16{});
+  } else if (dtype == at::kFloat) {
+    f(float{});
+  } else {
+    TORCH_CHECK(false, kernel, " supports float32 and bfloat16, not ", dtype);
+  }
 }
 
 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
