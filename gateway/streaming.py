@@ -7,6 +7,11 @@ error raised after the 200 went out is sent in-band as `data: {"error": {...}}`,
 However the response ends (done, client gone mid-stream, or gone before the first byte),
 the payload stream is closed, which aborts the engine request, and `on_end` reports the
 outcome once.
+
+`SSEResponse` is its own small ASGI response rather than sse-starlette's: one send per frame
+and nothing around it (sse-starlette opens a timeout scope and looks up the async library on
+every send, about a tenth of the event loop's work at 64 streams), a task that watches for
+the client's disconnect, and keep-alive comments only when asked for.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
+import anyio
 import structlog
-from sse_starlette import EventSourceResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.context import CLIENT_CLOSED
 from gateway.endpoint import OPENAI_CHUNKS, StreamFormat
@@ -26,6 +32,7 @@ from gateway.errors import APIError, server_error
 log = structlog.get_logger("carousel.gateway")
 
 DONE = b"data: [DONE]\n\n"
+PING = b": ping\n\n"  # a comment line: clients skip it
 
 
 OnEnd = Callable[[int, str | None], None]
@@ -55,7 +62,7 @@ class PayloadStream(AsyncIterator[str]):
             self._on_close()
 
 
-async def _aclose(payloads: AsyncIterator[str]) -> None:
+async def _aclose(payloads: object) -> None:
     aclose = getattr(payloads, "aclose", None)
     if aclose is not None:
         with contextlib.suppress(Exception):
@@ -121,8 +128,11 @@ async def sse_frames(
         on_end(status, error)
 
 
-class SSEResponse(EventSourceResponse):
-    """A streaming 200 whose body is `payloads` framed as SSE (`ping_s=0`: no comments)."""
+class SSEResponse(StreamingResponse):
+    """A streaming 200 whose body is `payloads` framed as SSE; a `: ping` comment every
+    `ping_s` seconds while it is open (0: none)."""
+
+    media_type = "text/event-stream"
 
     def __init__(
         self,
@@ -131,13 +141,60 @@ class SSEResponse(EventSourceResponse):
         ping_s: float = 0.0,
         stream_format: StreamFormat = OPENAI_CHUNKS,
     ) -> None:
-        super().__init__(sse_frames(payloads, on_end, stream_format), ping=ping_s, sep="\n")
+        super().__init__(
+            sse_frames(payloads, on_end, stream_format),
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
         self._payloads = payloads
         self._on_end = on_end
+        self._ping_s = ping_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
-        finally:  # NOTE: no-ops when sse_frames already ran its own cleanup
-            await _aclose(self._payloads)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
+                if self._ping_s > 0:
+                    send = _SerialSend(send)
+                    tasks.start_soon(_ping, send, self._ping_s)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": self.raw_headers})  # fmt: skip
+                async for frame in self.body_iterator:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tasks.cancel_scope.cancel()  # the watcher and the pings
+        finally:
+            with anyio.CancelScope(shield=True):
+                # NOTE: closing the frames reports a stream cut mid-way; both no-op once the
+                # frames ran their own cleanup, and the payloads close even if never started
+                await _aclose(self.body_iterator)
+                await _aclose(self._payloads)
             self._on_end(CLIENT_CLOSED, "client disconnected before the stream started")
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Cancel the response once the client has gone (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class _SerialSend:
+    """`send` shared by the frames and the pings: one message at a time, none after the last."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._lock = anyio.Lock()
+        self._ended = False
+
+    async def __call__(self, message: Message) -> None:
+        async with self._lock:
+            if self._ended:
+                return
+            self._ended = message["type"] == "http.response.body" and not message["more_body"]
+            await self._send(message)
+
+
+async def _ping(send: Send, every_s: float) -> None:
+    while True:
+        await anyio.sleep(every_s)
+        await send({"type": "http.response.body", "body": PING, "more_body": True})

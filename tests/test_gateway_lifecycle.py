@@ -90,6 +90,31 @@ def test_sdk_stream_close_aborts(make_server: Callable[..., LiveServer]) -> None
     assert reasons == [FinishReason.ABORT, FinishReason.ABORT]
 
 
+def test_keep_alive_pings_are_comments_between_events(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    """`sse_ping_s`: `: ping` comment lines go out while tokens are slow; the SDK skips them."""
+    srv = make_server(sim_arm(time_scale=25.0), sse_ping_s=0.02)  # ~100 ms per token
+    body = {**LONG_CHAT, "max_tokens": 3, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        raw = http.post(f"{srv.v1}/chat/completions", json=body).text
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    pings = [e for e in events if e == ": ping"]
+    data = [e for e in events if e.startswith("data: ")]
+    assert len(pings) >= 3 and len(pings) + len(data) == len(events) - 1, events
+    client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0)
+    chunks = list(client.chat.completions.create(**{**body, "stream": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert_kv_returns(srv.arm)
+
+
+def test_no_pings_by_default(server: LiveServer) -> None:
+    body = {**LONG_CHAT, "max_tokens": 3, "stream": True}
+    raw = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=30).text
+    assert all(e.startswith("data: ") for e in raw.split("\n\n")[:-1]), raw
+
+
 def test_concurrent_requests_all_complete(make_server: Callable[..., LiveServer]) -> None:
     srv = make_server(sim_arm(time_scale=0.2, max_num_seqs=4))
     client = openai.OpenAI(base_url=srv.v1, api_key="x", max_retries=0)
