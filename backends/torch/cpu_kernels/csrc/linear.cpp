@@ -16,6 +16,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "tasks.h"
 
 namespace carousel {
 namespace {
@@ -110,13 +111,11 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tenso
   const T* wp = packed.data_ptr<T>();
   const float* bp = bias != nullptr ? bias->data_ptr<float>() : nullptr;
   T* yp = y.data_ptr<T>();
-  // NOTE: each thread takes a contiguous run of tiles, so it streams one span of memory.
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t col = t * kTileCols;
-      rows_of_tile<T>(xp, M, K, wp + t * K * kTileCols, bp != nullptr ? bp + col : nullptr,
-                      yp + col, N, std::min(kTileCols, N - col));
-    }
+  // NOTE: a tile is one sequential stream of its weights; the threads claim tiles in turn
+  parallel_tasks(tiles, [&](int64_t t) {
+    const int64_t col = t * kTileCols;
+    rows_of_tile<T>(xp, M, K, wp + t * K * kTileCols, bp != nullptr ? bp + col : nullptr,
+                    yp + col, N, std::min(kTileCols, N - col));
   });
 }
 
