@@ -22,6 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.torch import cpu_kernels
+from backends.torch.attention import create_backend
+from backends.torch.attention.base import AttentionSpec
+from backends.torch.kv_cache import KVCache, KVLayout
 
 KERNELS = cpu_kernels.native()
 needs_kernels = pytest.mark.skipif(
@@ -112,7 +115,7 @@ def reference_attention(
     num_seqs=st.integers(1, 9),
     num_kv=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 3, 4, 8]),
-    head_dim=st.sampled_from([8, 16, 24, 64, 80]),
+    head_dim=st.sampled_from([8, 16, 24, 64, 80, 128, 136, 256]),
     block=st.sampled_from([1, 4, 16]),
     window=st.sampled_from([-1, 1, 5, 40]),
     dtype=st.sampled_from(DTYPES),
@@ -158,6 +161,19 @@ def test_decode_attention_rejects_mismatched_inputs() -> None:
     with pytest.raises(RuntimeError, match="head shapes"):
         KERNELS.decode_attention(torch.zeros(3, 3, 16), cache, cache, tables, lens.long(), 1.0,
                                  -1, torch.zeros(3, 3, 16))  # fmt: skip
+    wide, wide_q = torch.zeros(4, 4, 2, 272), torch.zeros(3, 4, 272)
+    with pytest.raises(RuntimeError, match="head sizes up to 256, not 272"):
+        KERNELS.decode_attention(wide_q, wide, wide, tables, lens.long(), 1.0, -1,
+                                 torch.empty_like(wide_q))  # fmt: skip
+
+
+@needs_kernels
+def test_heads_wider_than_the_kernel_take_sdpa() -> None:
+    cache = KVCache(KVLayout(1, 1, 272, 4, torch.float32), 4, torch.device("cpu"))
+    wide = [AttentionSpec(1, 1, 272, 1.0, None)]
+    assert type(create_backend("auto", cache, wide, cache.k[0].device)).__name__ == "SDPABackend"
+    with pytest.raises(ValueError, match="head sizes up to 256, not 272"):
+        create_backend("cpu_paged", cache, wide, cache.k[0].device)
 
 
 def test_switched_off_the_engine_keeps_torchs_kernels() -> None:

@@ -105,6 +105,14 @@ def create_backend(
     """Build backend `name` (or `auto`'s choice, see `resolve_name`) over `kv_cache`."""
     dtype = kv_cache.k[0].dtype if kv_cache.k else None
     resolved = resolve_name(name, device, dtype, native=native)
+    widest = max((spec.head_dim for spec in layers), default=0)
+    if resolved == "cpu_paged" and widest > cpu_kernels.MAX_HEAD_DIM:
+        if name != AUTO:
+            raise ValueError(
+                f"attention backend 'cpu_paged' supports head sizes up to "
+                f"{cpu_kernels.MAX_HEAD_DIM}, not {widest}"
+            )
+        resolved = "sdpa"
     module_name, _, class_name = _BACKENDS[resolved].target.partition(":")
     cls: type[AttentionBackend[Any]] = getattr(importlib.import_module(module_name), class_name)
     return cls(kv_cache, layers)

@@ -8,6 +8,9 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
   prepacked path at 1-8 rows and stays ahead up to 128 rows (packed.py).
 - `decode_attention`: one query token per sequence, against its context read in place from
   the paged cache through its block table: no K/V gather, no mask (attention/cpu_paged.py).
+  Keys go in groups of 16: one transposing sum gives a query head's 16 scores (a horizontal
+  sum per key had been most of the work), the values sum into registers; 1.3-1.6x faster
+  than key by key.
 - `rms_norm`, `add_rms_norm` (the residual add and the next norm in one pass) and `silu_mul`:
   the per-token elementwise work of a layer, one pass per row instead of about eight torch
   ops and their temporaries, rounding where HF's modules round (model.py). The bare bf16
@@ -183,6 +186,7 @@ def _put_ninja_on_path() -> None:
 
 #: the dtypes every kernel computes in
 DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 256  # decode_attention's widest head (csrc/decode_attention.cpp)
 TILE_COLS = 64  # output rows of one packed weight tile (kTileCols in csrc/kernels.h)
 
 

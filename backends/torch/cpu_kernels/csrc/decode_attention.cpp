@@ -1,65 +1,175 @@
 // Decode attention that reads K/V in place from the paged cache.
 //
-// One task per sequence (all its K/V heads: each cache slot is read as one run), or per
-// (sequence, K/V head) when there are too few sequences to keep every thread busy. A task
-// scores its query heads against every key of the context (the g query heads of a K/V head
-// together, so each K and V row is read once), softmaxes, and sums the values. The slots are
-// listed once from the block table and each row is prefetched a few keys ahead (blocks are
-// scattered: the hardware prefetcher cannot follow). fp32 math throughout (bf16 widened).
+// One task per sequence (all its K/V heads), or per (sequence, K/V head) when there are too
+// few sequences to keep every thread busy; the threads claim tasks as in tasks.h. A task
+// walks its context in groups of 16 keys, one K/V head at a time: each group's K rows are
+// widened to fp32 once, the scores of its 16 keys for a query head come out of one
+// transposing sum (no horizontal reduction per key), then the softmax, then the values
+// summed 16 keys per group into accumulators held in registers. The slots are listed once
+// from the block table; the next group's rows are asked for ahead of use (blocks are
+// scattered: the hardware prefetcher cannot follow). fp32 math throughout.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
 #include "simd.h"
+#include "tasks.h"
 
 namespace carousel {
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per K/V head
+constexpr int64_t kKeys = 16;      // keys per group: one score vector
 
 struct Shape {
   int64_t block_size, num_kv_heads, group, head_dim;
   float scale;
 };
 
-constexpr int64_t kAhead = 8;  // keys between a row's prefetch and its use
+// lane k: the sum of the lanes of d[k]
+inline __m512 sum16(const __m512* d) {
+  __m512 r[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512* x = d + 4 * q;
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    // each 128-bit lane L: the lane-L sums of x[0..3]
+    r[q] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+  }
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x44),
+                                   _mm512_shuffle_f32x4(r[0], r[1], 0xEE));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], 0x44),
+                                   _mm512_shuffle_f32x4(r[2], r[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
+}
 
-// Ask for heads [h0, h1) of one cache slot ahead of use.
+// Ask for one head's row of each of `count` slots ahead of use.
 template <typename T>
-inline void prefetch_row(const T* slot, int64_t h0, int64_t h1, int64_t hd) {
-  const char* from = reinterpret_cast<const char*>(slot + h0 * hd);
-  const char* to = reinterpret_cast<const char*>(slot + h1 * hd);
-  for (const char* p = from; p < to; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+inline void prefetch_rows(const T* cache, const int64_t* slots, int64_t count, int64_t row,
+                          int64_t offset, int64_t bytes) {
+  for (int64_t k = 0; k < count; ++k) {
+    const char* p = reinterpret_cast<const char*>(cache + slots[k] * row + offset);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
+// Per-thread scratch: fp32 queries and accumulators, scores, and one group of widened rows.
+struct Scratch {
+  std::vector<float> buf;
+  std::vector<int64_t> slots;
+};
+
+// The g query heads of K/V head h against keys `slots[0, n)`: C = ceil(head_dim / 16)
+// vectors per head row, the last one masked.
+template <typename T, int C>
+void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t n,
+                 int64_t h, const Shape& s, float* scratch, T* out) {
+  const int64_t g = s.group, hd = s.head_dim, row = s.num_kv_heads * hd, hp = C * kLanes;
+  const int64_t np = (n + kKeys - 1) / kKeys * kKeys;
+  __mmask16 mask[C];
+  for (int c = 0; c < C; ++c) mask[c] = tail_mask(hd - c * kLanes);
+  float* qf = scratch;             // [g][hp]
+  float* scores = qf + g * hp;     // [g][np]
+  float* rows = scores + g * np;   // [kKeys][hp]
+  float* acc = rows + kKeys * hp;  // [g][hp]
+  for (int64_t j = 0; j < g; ++j)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(qf + j * hp + c * kLanes,
+                       _mm512_mul_ps(load(q + j * hd + c * kLanes, mask[c]), _mm512_set1_ps(s.scale)));
+  const int64_t offset = h * hd, bytes = hd * static_cast<int64_t>(sizeof(T));
+  // the rows of one group, widened; rows past the context are zeros
+  auto widen = [&](const T* cache, int64_t i0, int64_t m) {
+    for (int64_t k = 0; k < kKeys; ++k) {
+      const T* src = cache + slots[i0 + std::min(k, m - 1)] * row + offset;
+      for (int c = 0; c < C; ++c)
+        _mm512_storeu_ps(rows + k * hp + c * kLanes,
+                         k < m ? load(src + c * kLanes, mask[c]) : _mm512_setzero_ps());
+    }
+  };
+  // scores, and their maximum per query head
+  __m512 top[kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) top[j] = _mm512_set1_ps(-INFINITY);
+  prefetch_rows(k_cache, slots, std::min(n, kKeys), row, offset, bytes);
+  for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
+    const int64_t m = std::min(kKeys, n - i0);
+    if (i0 + kKeys < n)
+      prefetch_rows(k_cache, slots + i0 + kKeys, std::min(kKeys, n - i0 - kKeys), row, offset, bytes);
+    widen(k_cache, i0, m);
+    for (int64_t j = 0; j < g; ++j) {
+      __m512 d[kKeys];
+      for (int k = 0; k < kKeys; ++k) d[k] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m512 qc = _mm512_loadu_ps(qf + j * hp + c * kLanes);
+        for (int k = 0; k < kKeys; ++k)
+          d[k] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(rows + k * hp + c * kLanes), d[k]);
+      }
+      const __m512 sc = sum16(d);
+      _mm512_storeu_ps(scores + j * np + i0, sc);
+      top[j] = _mm512_mask_max_ps(top[j], tail_mask(m), top[j], sc);
+    }
+  }
+  // softmax numerators, and their sums
+  float total[kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) {
+    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top[j]));
+    __m512 sum = _mm512_setzero_ps();
+    float* sj = scores + j * np;
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 m = tail_mask(n - i);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sj + i), best)));
+      _mm512_storeu_ps(sj + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total[j] = _mm512_reduce_add_ps(sum);
+  }
+  // acc = the sum over keys of p * v: two accumulator sets (even and odd keys) per head
+  for (int64_t j = 0; j < g; ++j)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * hp + c * kLanes, _mm512_setzero_ps());
+  prefetch_rows(v_cache, slots, std::min(n, kKeys), row, offset, bytes);
+  for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
+    const int64_t m = std::min(kKeys, n - i0);
+    if (i0 + kKeys < n)
+      prefetch_rows(v_cache, slots + i0 + kKeys, std::min(kKeys, n - i0 - kKeys), row, offset, bytes);
+    widen(v_cache, i0, m);
+    for (int64_t j = 0; j < g; ++j) {
+      const float* p = scores + j * np + i0;  // zero past the context
+      __m512 even[C], odd[C];
+      for (int c = 0; c < C; ++c) {
+        even[c] = _mm512_loadu_ps(acc + j * hp + c * kLanes);
+        odd[c] = _mm512_setzero_ps();
+      }
+      for (int k = 0; k < kKeys; k += 2) {
+        const __m512 p0 = _mm512_set1_ps(p[k]), p1 = _mm512_set1_ps(p[k + 1]);
+        for (int c = 0; c < C; ++c) {
+          even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(rows + k * hp + c * kLanes), even[c]);
+          odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(rows + (k + 1) * hp + c * kLanes), odd[c]);
+        }
+      }
+      for (int c = 0; c < C; ++c)
+        _mm512_storeu_ps(acc + j * hp + c * kLanes, _mm512_add_ps(even[c], odd[c]));
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const __m512 inv = _mm512_set1_ps(1.0f / total[j]);
+    for (int c = 0; c < C; ++c)
+      store(out + j * hd + c * kLanes, _mm512_mul_ps(_mm512_loadu_ps(acc + j * hp + c * kLanes), inv),
+            mask[c]);
+  }
 }
 
 // Heads [h0, h1) of one sequence: keys [start, stop) of its context through `blocks`.
-// q and out point at the sequence's first query head; the caches at its slot rows.
-template <typename T>
+// q and out point at the sequence's first query head.
+template <typename T, int C>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* blocks, int64_t start,
-            int64_t stop, int64_t h0, int64_t h1, const Shape& s, std::vector<float>& buf,
-            std::vector<int64_t>& slot_buf, T* out) {
-  const int64_t n = stop - start, g = s.group, hd = s.head_dim;
-  const int64_t chunks = (hd + kLanes - 1) / kLanes;
-  const int64_t hp = chunks * kLanes;  // head stride in buf: whole vectors, zero tail lanes
-  const int64_t heads = (h1 - h0) * g;  // query heads of this task
-  // buf: [heads][hp] scaled fp32 queries, [heads][hp] accumulators, [heads][n] scores
-  buf.resize(2 * heads * hp + heads * n);
-  float* qf = buf.data();
-  float* acc = qf + heads * hp;
-  float* scores = acc + heads * hp;
-  for (int64_t j = 0; j < heads; ++j)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __mmask16 m = tail_mask(hd - c * kLanes);
-      const __m512 v = load(q + (h0 * g + j) * hd + c * kLanes, m);
-      _mm512_storeu_ps(qf + j * hp + c * kLanes, _mm512_mul_ps(v, _mm512_set1_ps(s.scale)));
-      _mm512_storeu_ps(acc + j * hp + c * kLanes, _mm512_setzero_ps());
-    }
-  std::vector<float> best(heads, -INFINITY);
+            int64_t stop, int64_t h0, int64_t h1, const Shape& s, Scratch& scratch, T* out) {
+  const int64_t n = stop - start, g = s.group, hp = C * kLanes;
+  const int64_t np = (n + kKeys - 1) / kKeys * kKeys;
   // every key's cache slot, walking the block table once (no division per key)
-  std::vector<int64_t>& slots = slot_buf;
+  std::vector<int64_t>& slots = scratch.slots;
   slots.resize(n);
   for (int64_t t = start, i = 0; t < stop; ++i) {
     const int64_t first = t % s.block_size, count = std::min(s.block_size - first, stop - t);
@@ -68,66 +178,25 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
     t += count;
     i += count - 1;
   }
-  const int64_t row = s.num_kv_heads * hd;  // elements per cache slot
-  // scores = q . k for every key and query head. A task over all K/V heads reads each slot
-  // as one run; the rows `kAhead` keys on are asked for ahead of use, since blocks are
-  // scattered and the OoO window holds only a few keys' work.
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch_row(k_cache + slots[i + kAhead] * row, h0, h1, hd);
-    for (int64_t h = h0; h < h1; ++h) {
-      const T* key = k_cache + slots[i] * row + h * hd;
-      const float* qh = qf + (h - h0) * g * hp;
-      __m512 dot[kMaxGroup];
-      for (int64_t j = 0; j < g; ++j) dot[j] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512 kv = load(key + c * kLanes, tail_mask(hd - c * kLanes));
-        for (int64_t j = 0; j < g; ++j)
-          dot[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j * hp + c * kLanes), kv, dot[j]);
-      }
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t r = (h - h0) * g + j;
-        const float score = _mm512_reduce_add_ps(dot[j]);
-        scores[r * n + i] = score;
-        best[r] = std::max(best[r], score);
-      }
-    }
-  }
-  // softmax numerators, and their sums
-  std::vector<float> total(heads);
-  for (int64_t r = 0; r < heads; ++r) {
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 top = _mm512_set1_ps(best[r]);
-    float* row = scores + r * n;
-    for (int64_t i = 0; i < n; i += kLanes) {
-      const __mmask16 m = tail_mask(n - i);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), top));
-      _mm512_mask_storeu_ps(row + i, m, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
-    }
-    total[r] = _mm512_reduce_add_ps(sum);
-  }
-  // acc = the sum over keys of p * v
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch_row(v_cache + slots[i + kAhead] * row, h0, h1, hd);
-    for (int64_t h = h0; h < h1; ++h) {
-      const T* value = v_cache + slots[i] * row + h * hd;
-      float* ah = acc + (h - h0) * g * hp;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512 vv = load(value + c * kLanes, tail_mask(hd - c * kLanes));
-        for (int64_t j = 0; j < g; ++j) {
-          float* a = ah + j * hp + c * kLanes;
-          const __m512 p = _mm512_set1_ps(scores[((h - h0) * g + j) * n + i]);
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(p, vv, _mm512_loadu_ps(a)));
-        }
-      }
-    }
-  }
-  for (int64_t r = 0; r < heads; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * hp + c * kLanes), inv);
-      store(out + (h0 * g + r) * hd + c * kLanes, o, tail_mask(hd - c * kLanes));
-    }
+  scratch.buf.resize(2 * g * hp + g * np + kKeys * hp);
+  for (int64_t h = h0; h < h1; ++h)
+    attend_head<T, C>(q + h * g * s.head_dim, k_cache, v_cache, slots.data(), n, h, s,
+                      scratch.buf.data(), out + h * g * s.head_dim);
+}
+
+// f(std::integral_constant<int, C>{}) for the C that covers head_dim (C = 16 above 128)
+template <typename F>
+void dispatch_chunks(int64_t head_dim, F&& f) {
+  switch ((head_dim + kLanes - 1) / kLanes) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: f(std::integral_constant<int, 16>{}); break;
   }
 }
 
@@ -148,16 +217,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, D * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    std::vector<int64_t> slots;
-    for (int64_t task = begin; task < end; ++task) {
+  dispatch_chunks(hd, [&](auto chunks) {
+    constexpr int C = decltype(chunks)::value;
+    parallel_tasks(D * splits, [&](int64_t task) {
+      thread_local Scratch scratch;
       const int64_t d = task / splits, h0 = (task % splits) * per_task;
       const int64_t stop = lens[d];
       const int64_t start = window >= 0 ? std::max<int64_t>(0, stop - window) : 0;
-      attend<T>(qp + d * q.stride(0), kp, vp, bt + d * width, start, stop, h0, h0 + per_task, s,
-                buf, slots, op + d * nh * hd);
-    }
+      attend<T, C>(qp + d * q.stride(0), kp, vp, bt + d * width, start, stop, h0, h0 + per_task,
+                   s, scratch, op + d * nh * hd);
+    });
   });
 }
 
@@ -176,6 +245,7 @@ void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
                   q.size(1) / k_cache.size(2) <= kMaxGroup,
               "head shapes of q and the caches disagree");
+  TORCH_CHECK(q.size(2) <= 256, "decode_attention supports head sizes up to 256, not ", q.size(2));
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == torch::kInt64 && context_lens.is_contiguous() &&
                   block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
