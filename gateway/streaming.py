@@ -126,6 +126,7 @@ async def sse_frames(
     finally:
         await _aclose(payloads)
         on_end(status, error)
+        log.debug("stream_ended", status=status, events=framer.count)
 
 
 class SSEResponse(StreamingResponse):
