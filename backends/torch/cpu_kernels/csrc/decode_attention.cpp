@@ -90,15 +90,22 @@ void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
                          k < m ? load(src + c * kLanes, mask[c]) : _mm512_setzero_ps());
     }
   };
+  // body(i0, m) for each group of m <= 16 keys from i0, its rows of `cache` widened into
+  // `rows`; the next group's rows asked for first
+  auto each_group = [&](const T* cache, auto&& body) {
+    prefetch_rows(cache, slots, std::min(n, kKeys), row, offset, bytes);
+    for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
+      const int64_t m = std::min(kKeys, n - i0);
+      if (i0 + kKeys < n)
+        prefetch_rows(cache, slots + i0 + kKeys, std::min(kKeys, n - i0 - kKeys), row, offset, bytes);
+      widen(cache, i0, m);
+      body(i0, m);
+    }
+  };
   // scores, and their maximum per query head
   __m512 top[kMaxGroup];
   for (int64_t j = 0; j < g; ++j) top[j] = _mm512_set1_ps(-INFINITY);
-  prefetch_rows(k_cache, slots, std::min(n, kKeys), row, offset, bytes);
-  for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
-    const int64_t m = std::min(kKeys, n - i0);
-    if (i0 + kKeys < n)
-      prefetch_rows(k_cache, slots + i0 + kKeys, std::min(kKeys, n - i0 - kKeys), row, offset, bytes);
-    widen(k_cache, i0, m);
+  each_group(k_cache, [&](int64_t i0, int64_t m) {
     for (int64_t j = 0; j < g; ++j) {
       __m512 d[kKeys];
       for (int k = 0; k < kKeys; ++k) d[k] = _mm512_setzero_ps();
@@ -111,7 +118,7 @@ void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       _mm512_storeu_ps(scores + j * np + i0, sc);
       top[j] = _mm512_mask_max_ps(top[j], tail_mask(m), top[j], sc);
     }
-  }
+  });
   // softmax numerators, and their sums
   float total[kMaxGroup];
   for (int64_t j = 0; j < g; ++j) {
@@ -129,12 +136,7 @@ void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   // acc = the sum over keys of p * v: two accumulator sets (even and odd keys) per head
   for (int64_t j = 0; j < g; ++j)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * hp + c * kLanes, _mm512_setzero_ps());
-  prefetch_rows(v_cache, slots, std::min(n, kKeys), row, offset, bytes);
-  for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
-    const int64_t m = std::min(kKeys, n - i0);
-    if (i0 + kKeys < n)
-      prefetch_rows(v_cache, slots + i0 + kKeys, std::min(kKeys, n - i0 - kKeys), row, offset, bytes);
-    widen(v_cache, i0, m);
+  each_group(v_cache, [&](int64_t i0, int64_t) {
     for (int64_t j = 0; j < g; ++j) {
       const float* p = scores + j * np + i0;  // zero past the context
       __m512 even[C], odd[C];
@@ -152,7 +154,7 @@ void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       for (int c = 0; c < C; ++c)
         _mm512_storeu_ps(acc + j * hp + c * kLanes, _mm512_add_ps(even[c], odd[c]));
     }
-  }
+  });
   for (int64_t j = 0; j < g; ++j) {
     const __m512 inv = _mm512_set1_ps(1.0f / total[j]);
     for (int c = 0; c < C; ++c)
