@@ -74,6 +74,47 @@ def test_linear_is_the_matrix_product_at_every_shape(
 
 
 @needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 140),
+    intermediate=st.integers(1, 120),
+    half_k=st.integers(1, 60),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_silu_mul_is_both_projections_then_silu_mul_bit_for_bit(
+    rows: int, intermediate: int, half_k: int, dtype: torch.dtype, seed: int
+) -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(seed)
+    k = 2 * half_k - (dtype == torch.float32 and seed % 2)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    gate = torch.randn(intermediate, k, generator=gen).to(dtype)
+    up = torch.randn(intermediate, k, generator=gen).to(dtype)
+    got = KERNELS.linear_silu_mul(x, cpu_kernels.pack_gate_up(gate, up), intermediate)
+    g = KERNELS.linear(x, cpu_kernels.pack_weight(gate), intermediate)
+    u = KERNELS.linear(x, cpu_kernels.pack_weight(up), intermediate)
+    assert got.dtype == dtype and got.shape == (rows, intermediate)
+    assert torch.equal(got, KERNELS.silu_mul(g, u))  # what the unfused layer computes
+    want = F.silu(reference_linear(x, gate, None)) * reference_linear(x, up, None)
+    scale = want.abs().max().item() + 1e-6
+    tolerance = 1e-4 * scale if dtype == torch.float32 else 2**-6 * want.abs() + 1e-2 * scale
+    assert ((got.double() - want).abs() <= tolerance).all()
+
+
+@needs_kernels
+def test_linear_silu_mul_rejects_what_it_cannot_compute() -> None:
+    assert KERNELS is not None
+    packed = cpu_kernels.pack_gate_up(torch.randn(40, 32), torch.randn(40, 32))  # 2 tiles
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        KERNELS.linear_silu_mul(torch.randn(2, 16), packed, 40)
+    with pytest.raises(RuntimeError, match="more out_features"):
+        KERNELS.linear_silu_mul(torch.randn(2, 32), packed, 65)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        cpu_kernels.pack_gate_up(torch.randn(40, 32), torch.randn(41, 32))
+
+
+@needs_kernels
 def test_linear_rejects_what_it_cannot_compute() -> None:
     assert KERNELS is not None
     w = torch.randn(64, 32)

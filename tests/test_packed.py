@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backends.torch import cpu_kernels
+from backends.torch.fused import fuse_layer
 from backends.torch.kv_cache import KVCache, KVLayout
-from backends.torch.model import PagedCausalLM, attention_specs
+from backends.torch.model import PagedCausalLM, _LayerLinears, attention_specs
 from backends.torch.packed import ONEDNN, Linear, PackPlan, cached_linear, pack_plan
 from backends.torch.runner import TorchBackend
 from tests.tiny_models import tiny_model, tiny_tokenizer
@@ -85,3 +87,31 @@ def test_prepack_weights_false_keeps_one_copy_of_the_weights() -> None:
     linears = backend.model.linears[0]
     assert all(lin.packed is None for lin in (linears.qkv, linears.o_proj, linears.down))
     assert backend.model.lm_head_linear.packed is None
+
+
+@pytest.mark.skipif(cpu_kernels.native() is None, reason="no CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_runs_gate_up_and_silu_as_one_kernel_with_the_same_numbers(
+    dtype: torch.dtype,
+) -> None:
+    model = tiny_model("llama").to(dtype)
+    paged = PagedCausalLM(model, small_cache(model))
+    fused = paged.linears[0]
+    assert fused.gate_up is not None
+    # one packed copy of gate and up: theirs; the Linears keep the plain weights only
+    assert fused.gate.packed is None and fused.up.packed is None
+    unfused = _LayerLinears.of(model.model.layers[0], fuse_layer(model.model.layers[0]),
+                               paged._plan)  # fmt: skip
+    assert unfused.gate_up is None and unfused.gate.packed is not None
+    hidden = model.config.hidden_size
+    for rows in (1, 7, 64, 128, 129):  # 129: past the plan's rows, the unfused path
+        x = torch.randn(rows, hidden).to(dtype)
+        got = paged._mlp(0, x)
+        paged.linears[0] = unfused
+        try:
+            want = paged._mlp(0, x)
+        finally:
+            paged.linears[0] = fused
+        assert torch.equal(got, want), rows
+    second = PagedCausalLM(model, small_cache(model))
+    assert second.linears[0].gate_up is fused.gate_up  # arms over one model share it

@@ -2,8 +2,10 @@
 
 A decode step of a small model is mostly weight reads plus per-op dispatch, so three
 `[N, H] x [H, *]` matmuls cost more than one over the concatenated weight (on the 2-core
-CPU, SmolLM2 shapes: 38 -> 28 us at N = 1, 109 -> 87 us at N = 8). Gate and up are NOT
-fused: the doubled `[2I, H]` weight measured slower at N >= 8 (315 -> 422 us). The fused tensor
+CPU, SmolLM2 shapes: 38 -> 28 us at N = 1, 109 -> 87 us at N = 8). Gate and up are not
+fused here: through oneDNN the doubled `[2I, H]` weight measured slower at N >= 8 (315 -> 422
+us); where Carousel's CPU kernels run, packed.GateUp packs them together instead, with the
+SiLU in the same kernel. The fused tensor
 becomes the only copy: the HF modules' own `weight`/`bias` parameters are re-pointed to row
 slices (views) of it, so memory does not grow and the HF model (used by `generate` in the
 oracle tests and by other arms sharing these weights) keeps computing exactly what it did.

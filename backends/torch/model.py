@@ -30,32 +30,54 @@ from backends.torch.attention.base import (
 from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
 from backends.torch.loader import check_architecture
-from backends.torch.packed import Linear, PackPlan, cached_linear, pack_plan
+from backends.torch.packed import (
+    GateUp,
+    Linear,
+    PackPlan,
+    cached_gate_up,
+    cached_linear,
+    fusable_gate_up,
+    pack_plan,
+)
 
 
 @dataclass(frozen=True)
 class _LayerLinears:
-    """One decoder layer's projections as `Linear`s (prepacked where that pays)."""
+    """One decoder layer's projections as `Linear`s (prepacked where that pays).
+
+    With `gate_up` (Carousel's kernels, `fuse_mlp`), decode-sized MLP inputs go through it,
+    and gate and up keep only their plain weights (larger batches take F.linear anyway).
+    """
 
     qkv: Linear
     o_proj: Linear
     gate: Linear
     up: Linear
     down: Linear
+    gate_up: GateUp | None = None
 
     @classmethod
-    def of(cls, layer: Any, fused: FusedLayer, plan: PackPlan | None) -> _LayerLinears:
+    def of(
+        cls, layer: Any, fused: FusedLayer, plan: PackPlan | None, *, fuse_mlp: bool = False
+    ) -> _LayerLinears:
         attn, mlp = layer.self_attn, layer.mlp
+        gate_w, up_w = mlp.gate_proj.weight, mlp.up_proj.weight
+        gate_up = None
+        if fuse_mlp and mlp.gate_proj.bias is None and fusable_gate_up(plan, gate_w, up_w):
+            assert plan is not None
+            gate_up = cached_gate_up(mlp, gate_w, up_w, plan)
 
-        def wrap(key: str, module: Any) -> Linear:
-            return cached_linear(layer, key, module.weight, module.bias, plan)
+        def wrap(key: str, module: Any, own_plan: PackPlan | None = plan) -> Linear:
+            return cached_linear(layer, key, module.weight, module.bias, own_plan)
 
+        mlp_plan = None if gate_up is not None else plan
         return cls(
             qkv=cached_linear(layer, "qkv", fused.qkv_weight, fused.qkv_bias, plan),
             o_proj=wrap("o_proj", attn.o_proj),
-            gate=wrap("gate", mlp.gate_proj),
-            up=wrap("up", mlp.up_proj),
+            gate=wrap("gate", mlp.gate_proj, mlp_plan),
+            up=wrap("up", mlp.up_proj, mlp_plan),
             down=wrap("down", mlp.down_proj),
+            gate_up=gate_up,
         )
 
 
@@ -129,13 +151,18 @@ class PagedCausalLM:
         self.specs = attention_specs(hf_model)
         weight = hf_model.lm_head.weight
         plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels) if prepack else None
-        self.linears = [_LayerLinears.of(layer, fuse_layer(layer), plan) for layer in self.layers]
+        self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
+        self._plan = plan
+        fuse_mlp = self.dense_kernels is not None  # SiLU MLPs: linear_silu_mul computes theirs
+        self.linears = [
+            _LayerLinears.of(layer, fuse_layer(layer), plan, fuse_mlp=fuse_mlp)
+            for layer in self.layers
+        ]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
         self.kv_cache = kv_cache
         self.attention = create_backend(
             attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
         )
-        self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
         self._norms = [
             (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
              layer.post_attention_layernorm.weight,
@@ -241,6 +268,10 @@ class PagedCausalLM:
         from backends.torch import dense
 
         inductor.configure()
+        # the graph calls gate and up one by one (dense.py): their own packed copies
+        self.linears = [
+            _LayerLinears.of(layer, fuse_layer(layer), self._plan) for layer in self.layers
+        ]
         self._layer_index = [torch.tensor(i) for i in range(len(self.layers))]
         self._layer_weights = [self._weights_of(i) for i in range(len(self.layers))]
         spec = self.specs[0]
@@ -285,6 +316,8 @@ class PagedCausalLM:
 
     def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         lin = self.linears[layer_idx]
+        if lin.gate_up is not None and lin.gate_up.takes(x):
+            return lin.down(lin.gate_up(x))
         if self.dense_kernels is not None:
             return lin.down(self.dense_kernels.silu_mul(lin.gate(x), lin.up(x)))
         return lin.down(self.layers[layer_idx].mlp.act_fn(lin.gate(x)) * lin.up(x))

@@ -6,6 +6,9 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
   tile one sequential stream; bf16 products by AVX512-BF16 (`vdpbf16ps`), fp32 by FMA.
   Streaming all SmolLM2 projections from memory, it reads 1.2-1.7x faster than oneDNN's
   prepacked path at 1-8 rows and stays ahead up to 128 rows (packed.py).
+- `linear_silu_mul`: the MLP's gate and up projections and its SiLU in one pass over one
+  weight that interleaves them (`pack_gate_up`): a tile's accumulators hold both halves of 32
+  outputs, and only silu(gate) * up is stored.
 - `decode_attention`: one query token per sequence, against its context read in place from
   the paged cache through its block table: no K/V gather, no mask (attention/cpu_paged.py).
   Keys go in groups of 16: one transposing sum gives a query head's 16 scores (a horizontal
@@ -211,6 +214,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.float32:
         return w.view(tiles, TILE_COLS, k).permute(0, 2, 1).contiguous()
     raise ValueError(f"linear supports float32 and bfloat16, not {weight.dtype}")
+
+
+def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's `gate` and `up` (I, K) weights packed together for `linear_silu_mul`.
+
+    Each tile holds 32 rows of gate and then the same 32 rows of up (rows zero-padded to a
+    multiple of 32), so a tile's outputs are both halves of 32 intermediate features.
+    """
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError("gate and up must have one shape and dtype")
+    half = TILE_COLS // 2
+    i, k = gate.shape
+    rows = -(-i // half) * half
+    pad = (0, 0, 0, rows - i)
+    g = F.pad(gate.detach(), pad).view(rows // half, half, k)
+    u = F.pad(up.detach(), pad).view(rows // half, half, k)
+    return pack_weight(torch.stack((g, u), dim=1).reshape(2 * rows, k))
 
 
 def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:

@@ -7,6 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"),
         pybind11::arg("bias") = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_silu_mul", &carousel::linear_silu_mul,
+        "silu(x @ gate.T) * (x @ up.T) over a weight from pack_gate_up", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("out_features"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", &carousel::decode_attention,
         "one-token-per-sequence attention over the paged cache, in place",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),

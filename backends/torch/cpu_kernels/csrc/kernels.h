@@ -14,6 +14,12 @@ constexpr int64_t kTileCols = 64;
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias);
 
+// silu(x @ gate.T) * (x @ up.T) (the MLP's first half), with gate and up packed together by
+// `pack_gate_up` (each tile: 32 gate rows, then the same 32 up rows), rounding as
+// silu_mul(linear(x, gate), linear(x, up)) does.
+torch::Tensor linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed,
+                              int64_t out_features);
+
 // Decode attention over the paged cache, read in place: one query token per sequence.
 void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,

@@ -7,6 +7,11 @@
 // For every K step the tile's 64 weights are multiplied with up to kRows rows of x, broadcast
 // one element (bf16: one pair) at a time, into 4 x kRows fp32 accumulators: no horizontal
 // reductions. More rows than kRows re-read the tile from L2, not from memory.
+//
+// linear_silu_mul: the MLP's gate and up projections and its activation in one pass. Its
+// weight interleaves them, 32 gate rows then the same 32 up rows per tile (pack_gate_up), so
+// each tile's accumulators hold both halves of 32 outputs: silu(gate) * up is taken in
+// registers and only the product is stored (no gate or up tensors, no third kernel).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -56,17 +61,31 @@ struct Traits<float> {
   }
 };
 
-template <typename T>
+// What a tile's accumulators become: the plain product (64 columns, plus bias), or
+// silu(gate) * up of a gate/up tile (32 columns)
+enum class Epilogue { kPlain, kSiluMul };
+
+template <Epilogue E>
+constexpr int64_t kOutCols = E == Epilogue::kPlain ? kTileCols : kTileCols / 2;
+
+template <Epilogue E, typename T>
 inline void store_row(const __m512 (&acc)[4], const float* bias, T* y, int64_t cols) {
-  for (int j = 0; j < 4; ++j) {
-    __m512 v = acc[j];
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + kLanes * j));
-    store(y + kLanes * j, v, tail_mask(cols - kLanes * j));  // bf16: nearest even, as torch
+  if constexpr (E == Epilogue::kSiluMul) {
+    // gate and up rounded to T first, as the two projections' outputs would be
+    for (int j = 0; j < 2; ++j)
+      store(y + kLanes * j, silu_mul_vec(round_to(acc[j], y), round_to(acc[j + 2], y), y),
+            tail_mask(cols - kLanes * j));
+  } else {
+    for (int j = 0; j < 4; ++j) {
+      __m512 v = acc[j];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + kLanes * j));
+      store(y + kLanes * j, v, tail_mask(cols - kLanes * j));  // bf16: nearest even, as torch
+    }
   }
 }
 
 // `rows` (<= kRows) rows of x against one packed tile; y points at the tile's first column.
-template <typename T, int R>
+template <Epilogue E, typename T, int R>
 void tile(const T* x, int64_t K, const T* w, const float* bias, T* y, int64_t N, int64_t cols) {
   using Tr = Traits<T>;
   __m512 acc[R][4];
@@ -82,27 +101,27 @@ void tile(const T* x, int64_t K, const T* w, const float* bias, T* y, int64_t N,
       for (int j = 0; j < 4; ++j) acc[m][j] = Tr::madd(acc[m][j], xv, wv[j]);
     }
   }
-  for (int m = 0; m < R; ++m) store_row(acc[m], bias, y + m * N, cols);
+  for (int m = 0; m < R; ++m) store_row<E>(acc[m], bias, y + m * N, cols);
 }
 
-template <typename T>
+template <Epilogue E, typename T>
 void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y,
                   int64_t N, int64_t cols) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<T, kRows>(x + m * K, K, w, bias, y + m * N, N, cols);
+  for (; m + kRows <= M; m += kRows) tile<E, T, kRows>(x + m * K, K, w, bias, y + m * N, N, cols);
   const T* xm = x + m * K;
   T* ym = y + m * N;
   switch (M - m) {
-    case 5: tile<T, 5>(xm, K, w, bias, ym, N, cols); break;
-    case 4: tile<T, 4>(xm, K, w, bias, ym, N, cols); break;
-    case 3: tile<T, 3>(xm, K, w, bias, ym, N, cols); break;
-    case 2: tile<T, 2>(xm, K, w, bias, ym, N, cols); break;
-    case 1: tile<T, 1>(xm, K, w, bias, ym, N, cols); break;
+    case 5: tile<E, T, 5>(xm, K, w, bias, ym, N, cols); break;
+    case 4: tile<E, T, 4>(xm, K, w, bias, ym, N, cols); break;
+    case 3: tile<E, T, 3>(xm, K, w, bias, ym, N, cols); break;
+    case 2: tile<E, T, 2>(xm, K, w, bias, ym, N, cols); break;
+    case 1: tile<E, T, 1>(xm, K, w, bias, ym, N, cols); break;
     default: break;
   }
 }
 
-template <typename T>
+template <Epilogue E, typename T>
 void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor* bias,
          torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
@@ -113,22 +132,39 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tenso
   T* yp = y.data_ptr<T>();
   // NOTE: a tile is one sequential stream of its weights; the threads claim tiles in turn
   parallel_tasks(tiles, [&](int64_t t) {
-    const int64_t col = t * kTileCols;
-    rows_of_tile<T>(xp, M, K, wp + t * K * kTileCols, bp != nullptr ? bp + col : nullptr,
-                    yp + col, N, std::min(kTileCols, N - col));
+    const int64_t col = t * kOutCols<E>;
+    rows_of_tile<E, T>(xp, M, K, wp + t * K * kTileCols, bp != nullptr ? bp + col : nullptr,
+                       yp + col, N, std::min(kOutCols<E>, N - col));
   });
+}
+
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (M, K) matrix");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.scalar_type() == x.scalar_type(),
+              "packed weight must come from pack_weight for x's dtype");
+  TORCH_CHECK(packed.size(1) * packed.size(2) == x.size(1) * kTileCols,
+              "weight and x disagree on K");
+}
+
+template <Epilogue E>
+torch::Tensor linear_with(const torch::Tensor& x, const torch::Tensor& packed,
+                          int64_t out_features, const torch::Tensor* bias, const char* name) {
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  dispatch(x.scalar_type(), name, [&](auto t) {
+    using T = decltype(t);
+    constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
+    TORCH_CHECK(!bf16 || x.size(1) % 2 == 0, "bf16 needs an even K");
+    run<E, T>(x, packed, bias, y);
+  });
+  return y;
 }
 
 }  // namespace
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (M, K) matrix");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.scalar_type() == x.scalar_type(),
-              "packed weight must come from pack_weight for x's dtype");
-  const int64_t K = x.size(1);
-  TORCH_CHECK(packed.size(1) * packed.size(2) == K * kTileCols, "weight and x disagree on K");
+  check_packed(x, packed);
   TORCH_CHECK(out_features <= packed.size(0) * kTileCols, "more out_features than packed rows");
   const torch::Tensor* bp = nullptr;
   if (bias.has_value()) {
@@ -137,14 +173,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
                 "bias must be fp32, padded to whole tiles (pack_bias)");
     bp = &*bias;
   }
-  auto y = torch::empty({x.size(0), out_features}, x.options());
-  dispatch(x.scalar_type(), "linear", [&](auto t) {
-    using T = decltype(t);
-    constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
-    TORCH_CHECK(!bf16 || K % 2 == 0, "bf16 needs an even K");
-    run<T>(x, packed, bp, y);
-  });
-  return y;
+  return linear_with<Epilogue::kPlain>(x, packed, out_features, bp, "linear");
+}
+
+torch::Tensor linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed,
+                              int64_t out_features) {
+  check_packed(x, packed);
+  TORCH_CHECK(out_features <= packed.size(0) * kOutCols<Epilogue::kSiluMul>,
+              "more out_features than packed gate/up rows");
+  return linear_with<Epilogue::kSiluMul>(x, packed, out_features, nullptr, "linear_silu_mul");
 }
 
 }  // namespace carousel

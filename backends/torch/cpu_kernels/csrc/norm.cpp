@@ -83,10 +83,7 @@ void silu_mul_rows(const torch::Tensor& g, const torch::Tensor& u, const torch::
     for (int64_t c = begin; c < end; ++c) {
       const int64_t i = c * kLanes;
       const __mmask16 m = tail_mask(n - i);
-      const __m512 x = load(gp + i, m);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      const __m512 s = round_to(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), op);
-      store(op + i, _mm512_mul_ps(s, load(up + i, m)), m);
+      store(op + i, silu_mul_vec(load(gp + i, m), load(up + i, m), op), m);
     }
   });
 }

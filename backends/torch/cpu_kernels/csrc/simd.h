@@ -72,4 +72,12 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// T(T(silu(g)) * u) for one vector of gate and up values already in T's precision: the
+// MLP's act_fn(gate) * up as torch rounds it (shared by silu_mul and linear_silu_mul)
+template <typename T>
+inline __m512 silu_mul_vec(__m512 g, __m512 u, const T* like) {
+  const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(round_to(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), like), u);
+}
+
 }  // namespace carousel
