@@ -115,3 +115,4 @@ def test_the_mlp_runs_gate_up_and_silu_as_one_kernel_with_the_same_numbers(
         assert torch.equal(got, want), rows
     second = PagedCausalLM(model, small_cache(model))
     assert second.linears[0].gate_up is fused.gate_up  # arms over one model share it
+    assert PagedCausalLM(model, small_cache(model), fuse_mlp=False).linears[0].gate_up is None

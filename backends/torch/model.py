@@ -141,6 +141,7 @@ class PagedCausalLM:
         prepack: bool = True,
         attention_backend: str = AUTO,
         cpu_kernels: bool = True,
+        fuse_mlp: bool = True,
     ) -> None:
         check_architecture(type(hf_model).__name__)
         base = hf_model.model
@@ -153,7 +154,8 @@ class PagedCausalLM:
         plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels) if prepack else None
         self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
         self._plan = plan
-        fuse_mlp = self.dense_kernels is not None  # SiLU MLPs: linear_silu_mul computes theirs
+        # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs
+        fuse_mlp = fuse_mlp and self.dense_kernels is not None
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), plan, fuse_mlp=fuse_mlp)
             for layer in self.layers

@@ -126,12 +126,14 @@ class TensorParallelBackend(TorchBackend):
         attention_backend: str = AUTO,
         compile: bool = False,
         cpu_kernels: bool = True,
+        fuse_mlp: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> TensorParallelBackend:
         """Start (or join) this process's group and load every rank's shard of `model`.
 
         NOTE: `compile` is accepted and ignored: the ranks run the eager forward, whose
-        row-parallel linears all-reduce (layers.py).
+        row-parallel linears all-reduce (layers.py). So is `fuse_mlp` (an A/B switch of the
+        single-process backend): the ranks fuse gate/up where Carousel's kernels run.
         """
         source = resolve_model(model)
         if not is_hf_dir(Path(source)):
