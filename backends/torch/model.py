@@ -36,6 +36,7 @@ from backends.torch.packed import (
     PackPlan,
     cached_gate_up,
     cached_linear,
+    forget_gate_up,
     fusable_gate_up,
     pack_plan,
 )
@@ -274,6 +275,8 @@ class PagedCausalLM:
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), self._plan) for layer in self.layers
         ]
+        for layer in self.layers:  # its packed copy is not used by the graph: not kept for it
+            forget_gate_up(layer.mlp)
         self._layer_index = [torch.tensor(i) for i in range(len(self.layers))]
         self._layer_weights = [self._weights_of(i) for i in range(len(self.layers))]
         spec = self.specs[0]

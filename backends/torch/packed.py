@@ -204,3 +204,8 @@ def cached_gate_up(owner: Any, gate: torch.Tensor, up: torch.Tensor, plan: PackP
     ):
         fused = cache["gate_up"] = GateUp(gate, up, plan)
     return fused
+
+
+def forget_gate_up(owner: Any) -> None:
+    """Drop `owner`'s cached `GateUp` (its packed copy is freed once no arm holds it)."""
+    owner.__dict__.get(_CACHE_ATTR, {}).pop("gate_up", None)
