@@ -192,20 +192,23 @@ def fusable_gate_up(plan: PackPlan | None, gate: torch.Tensor, up: torch.Tensor)
     )
 
 
+_GATE_UP_KEY = "gate_up"  # its entry among a module's cached linears
+
+
 def cached_gate_up(owner: Any, gate: torch.Tensor, up: torch.Tensor, plan: PackPlan) -> GateUp:
     """A `GateUp` over `gate` and `up`, built once per `owner` (a module) as `cached_linear`
     builds a `Linear`: arms sharing one model share one packed copy."""
     cache: dict[str, Any] = owner.__dict__.setdefault(_CACHE_ATTR, {})
-    fused = cache.get("gate_up")
+    fused = cache.get(_GATE_UP_KEY)
     if (
         not isinstance(fused, GateUp)
         or fused.sources != (_source(gate), _source(up))
         or fused.plan != plan
     ):
-        fused = cache["gate_up"] = GateUp(gate, up, plan)
+        fused = cache[_GATE_UP_KEY] = GateUp(gate, up, plan)
     return fused
 
 
 def forget_gate_up(owner: Any) -> None:
     """Drop `owner`'s cached `GateUp` (its packed copy is freed once no arm holds it)."""
-    owner.__dict__.get(_CACHE_ATTR, {}).pop("gate_up", None)
+    owner.__dict__.get(_CACHE_ATTR, {}).pop(_GATE_UP_KEY, None)
