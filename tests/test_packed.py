@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,3 +119,19 @@ def test_the_mlp_runs_gate_up_and_silu_as_one_kernel_with_the_same_numbers(
     second = PagedCausalLM(model, small_cache(model))
     assert second.linears[0].gate_up is fused.gate_up  # arms over one model share it
     assert PagedCausalLM(model, small_cache(model), fuse_mlp=False).linears[0].gate_up is None
+
+
+@pytest.mark.skipif(cpu_kernels.native() is None, reason="no CPU kernels here")
+def test_compiling_frees_the_fused_gate_up_the_graph_does_not_use() -> None:
+    model = tiny_model("llama")
+    paged = PagedCausalLM(model, small_cache(model))
+    if not paged.compilable():
+        pytest.skip("no C++ compiler for Inductor")
+    fused = paged.linears[0].gate_up
+    assert fused is not None
+    packed = weakref.ref(fused.packed)
+    del fused
+    paged.enable_compiled()
+    assert paged.compiled and paged.linears[0].gate_up is None
+    gc.collect()
+    assert packed() is None  # no packed gate/up copy is held for the compiled graph
