@@ -27,6 +27,7 @@ from backends.torch.attention.base import (
     AttentionSpec,
     BatchLayout,
 )
+from backends.torch.decode_stack import NativeDecodeLayers
 from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
 from backends.torch.loader import check_architecture
@@ -143,6 +144,7 @@ class PagedCausalLM:
         attention_backend: str = AUTO,
         cpu_kernels: bool = True,
         fuse_mlp: bool = True,
+        native_layers: bool = True,
     ) -> None:
         check_architecture(type(hf_model).__name__)
         base = hf_model.model
@@ -180,6 +182,14 @@ class PagedCausalLM:
             and not any(hasattr(layer.self_attn, "q_norm") for layer in self.layers)
             and all(spec.head_dim % 2 == 0 for spec in self.specs)
         )
+        # decode-only steps: every layer in one native call (decode_stack.py)
+        self.native_layers = (
+            NativeDecodeLayers.build(
+                self.dense_kernels, self.linears, self._norms, self.specs, self.attention, plan
+            )
+            if native_layers and self._fused_rotary
+            else None
+        )
         self.compiled = False  # see enable_compiled
 
     def compilable(self) -> bool:
@@ -205,8 +215,11 @@ class PagedCausalLM:
         hidden = self.embed_tokens(input_ids)  # (N, H)
         cos, sin = self.rotary_emb(hidden, positions[None])  # (1, N, hd) each
         rope = (cos[0, :, None, :], sin[0, :, None, :])  # (N, 1, hd): broadcast over heads
+        native = self.native_layers
         if self.compiled:
             hidden = self._compiled_layers(hidden, rope, meta)
+        elif native is not None and native.takes(hidden, meta, self.linears):
+            hidden = native(hidden, rope, meta)
         elif self.dense_kernels is not None:
             hidden = self._fused_layers(hidden, rope, meta)
         else:
@@ -277,6 +290,7 @@ class PagedCausalLM:
         ]
         for layer in self.layers:  # its packed copy is not used by the graph: not kept for it
             forget_gate_up(layer.mlp)
+        self.native_layers = None  # it holds those copies too
         self._layer_index = [torch.tensor(i) for i in range(len(self.layers))]
         self._layer_weights = [self._weights_of(i) for i in range(len(self.layers))]
         spec = self.specs[0]

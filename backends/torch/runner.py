@@ -5,14 +5,15 @@ Construct it either from a model reference::
     TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
                       kv_cache_fraction=None, block_size=16, max_model_len=None,
                       max_num_seqs=256, prepack_weights=True, attention_backend="auto",
-                      compile=False, cpu_kernels=True, fuse_mlp=True)
+                      compile=False, cpu_kernels=True, fuse_mlp=True,
+                      native_layers=True)
 
 or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
 
     TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
                  kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256,
                  prepack_weights=True, attention_backend="auto", compile=False,
-                 cpu_kernels=True, fuse_mlp=True)
+                 cpu_kernels=True, fuse_mlp=True, native_layers=True)
 
 `device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
 bf16 on cuda and on a CPU with AMX or AVX512-BF16, else fp32 (`default_dtype`); a model handed
@@ -27,6 +28,8 @@ attention/__init__.py). `cpu_kernels`: on CPU, Carousel's own AVX-512 kernels (c
 for the prepacked matmuls and `auto`'s attention, where they build; False keeps torch's.
 `fuse_mlp`: with those kernels, a SiLU MLP's gate, up and activation run as one kernel
 (packed.GateUp); False keeps three calls (for A/B runs: scripts/step_ab.py).
+`native_layers`: with those kernels, a decode-only step runs every decoder layer in one native
+call (decode_stack.py), bit for bit the eager loop's; False keeps the loop in Python (A/B).
 `compile`: the dense part of every decoder layer runs through one torch.compile'd graph
 (dense.py; eager without a C++ compiler).
 Compiled kernels are built here, at construction (logged), never on a request's path.
@@ -114,6 +117,7 @@ class TorchBackend(Backend):
         compile: bool = False,
         cpu_kernels: bool = True,
         fuse_mlp: bool = True,
+        native_layers: bool = True,
     ) -> None:
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
@@ -145,6 +149,7 @@ class TorchBackend(Backend):
             attention_backend=attention_backend,
             cpu_kernels=cpu_kernels,
             fuse_mlp=fuse_mlp,
+            native_layers=native_layers,
         )
         self.model.attention.warm_up()
         if compile and self.model.compilable():
@@ -181,6 +186,7 @@ class TorchBackend(Backend):
         compile: bool = False,
         cpu_kernels: bool = True,
         fuse_mlp: bool = True,
+        native_layers: bool = True,
     ) -> TorchBackend:
         """Load `model` (see loader.py for what a reference may be) onto `device`.
 
@@ -206,6 +212,7 @@ class TorchBackend(Backend):
                 compile=compile,
                 cpu_kernels=cpu_kernels,
                 fuse_mlp=fuse_mlp,
+                native_layers=native_layers,
             )
 
         return call_on_own_thread(build, "carousel-load")

@@ -50,7 +50,14 @@ log = structlog.get_logger("carousel.engine")
 MODULE = "carousel_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = ("kernels.h", "simd.h", "tasks.h")
-SOURCES = ("bindings.cpp", "linear.cpp", "decode_attention.cpp", "norm.cpp", "rotary.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "linear.cpp",
+    "decode_attention.cpp",
+    "norm.cpp",
+    "rotary.cpp",
+    "decode_layers.cpp",
+)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # NOTE: -ffp-contract=off: an elementwise formula (rotary) must round after each product, as
 # torch's ops do, not fuse it into the next add

@@ -127,13 +127,16 @@ class TensorParallelBackend(TorchBackend):
         compile: bool = False,
         cpu_kernels: bool = True,
         fuse_mlp: bool = True,
+        native_layers: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> TensorParallelBackend:
         """Start (or join) this process's group and load every rank's shard of `model`.
 
         NOTE: `compile` is accepted and ignored: the ranks run the eager forward, whose
         row-parallel linears all-reduce (layers.py). So is `fuse_mlp` (an A/B switch of the
-        single-process backend): the ranks fuse gate/up where Carousel's kernels run.
+        single-process backend): the ranks fuse gate/up where Carousel's kernels run. And
+        `native_layers`: a rank's row-parallel linears all-reduce between the kernels, so its
+        layers never run as one native call (decode_stack.py).
         """
         source = resolve_model(model)
         if not is_hf_dir(Path(source)):

@@ -34,4 +34,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("argmax", &carousel::argmax, "the first index of each row's maximum", pybind11::arg("x"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<carousel::DecodeStack>(m, "DecodeStack",
+                                          "every decoder layer of a decode-only step, one call")
+      .def(pybind11::init<>())
+      .def("add_layer", &carousel::DecodeStack::add_layer, pybind11::arg("input_norm"),
+           pybind11::arg("input_eps"), pybind11::arg("qkv"), pybind11::arg("qkv_bias"),
+           pybind11::arg("o_proj"), pybind11::arg("o_bias"), pybind11::arg("post_norm"),
+           pybind11::arg("post_eps"), pybind11::arg("gate_up"), pybind11::arg("intermediate"),
+           pybind11::arg("down"), pybind11::arg("down_bias"), pybind11::arg("k_cache"),
+           pybind11::arg("v_cache"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
+           pybind11::arg("scale"), pybind11::arg("window"))
+      .def("forward", &carousel::DecodeStack::forward, pybind11::arg("hidden"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slots"),
+           pybind11::arg("block_tables"), pybind11::arg("context_lens"),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("__len__", &carousel::DecodeStack::num_layers);
 }

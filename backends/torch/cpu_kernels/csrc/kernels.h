@@ -45,4 +45,51 @@ void rotary_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const t
 // torch.argmax(x, dim=-1) of a (B, V) matrix: the first index of each row's maximum.
 torch::Tensor argmax(const torch::Tensor& x);
 
+// The decoder layers of a model whose steps are decodes only (one token per sequence), run
+// in one call (decode_layers.cpp): per layer rms_norm, linear (QKV), rotary_write_kv,
+// decode_attention, linear (O), add_rms_norm, linear_silu_mul, linear (down), add_rms_norm,
+// as model.py's `_fused_layers` calls them. Weights are packed as `linear` takes them.
+class DecodeStack {
+ public:
+  void add_layer(const torch::Tensor& input_norm, double input_eps, const torch::Tensor& qkv,
+                 const c10::optional<torch::Tensor>& qkv_bias, const torch::Tensor& o_proj,
+                 const c10::optional<torch::Tensor>& o_bias, const torch::Tensor& post_norm,
+                 double post_eps, const torch::Tensor& gate_up, int64_t intermediate,
+                 const torch::Tensor& down, const c10::optional<torch::Tensor>& down_bias,
+                 const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t num_heads,
+                 int64_t num_kv_heads, double scale, int64_t window);
+
+  // `hidden` (N, H) is the residual stream fresh from the embedding, updated in place and
+  // returned; cos and sin (N, head_dim); slots (N,) each token's cache slot; block_tables
+  // (N, nb) and context_lens (N,) as decode_attention takes them.
+  torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos,
+                        const torch::Tensor& sin, const torch::Tensor& slots,
+                        const torch::Tensor& block_tables,
+                        const torch::Tensor& context_lens) const;
+
+  size_t num_layers() const { return layers_.size(); }
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm;
+    double input_eps;
+    torch::Tensor qkv;
+    c10::optional<torch::Tensor> qkv_bias;
+    int64_t qkv_out;
+    torch::Tensor o_proj;
+    c10::optional<torch::Tensor> o_bias;
+    torch::Tensor post_norm;
+    double post_eps;
+    torch::Tensor gate_up;
+    int64_t intermediate;
+    torch::Tensor down;
+    c10::optional<torch::Tensor> down_bias;
+    torch::Tensor k_cache, v_cache;
+    int64_t num_heads, num_kv_heads, head_dim;
+    double scale;
+    int64_t window;  // -1: none
+  };
+  std::vector<Layer> layers_;
+};
+
 }  // namespace carousel

@@ -1,0 +1,126 @@
+"""The native decode stack (decode_stack.py): decode-only steps in one call, bit for bit the
+Python loop's logits, and only where that loop would call exactly its kernels."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from backends.torch import cpu_kernels
+from backends.torch.inputs import prepare_inputs
+from backends.torch.kv_cache import KVCache, KVLayout
+from backends.torch.model import PagedCausalLM, attention_specs
+from schedulers.batch import Batch
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import Sequence
+from tests.tiny_models import tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="no CPU kernels here")
+
+CPU = torch.device("cpu")
+BLOCK = 4
+NUM_BLOCKS = 1200
+
+
+def paged_cache(model: torch.nn.Module, dtype: torch.dtype) -> KVCache:
+    spec = attention_specs(model)[0]  # type: ignore[arg-type]
+    layout = KVLayout(len(model.model.layers), spec.num_kv_heads, spec.head_dim, BLOCK, dtype)
+    return KVCache(layout, NUM_BLOCKS, CPU)
+
+
+class CountingStack:
+    """The native stack's calls counted, each passed through to it."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.stack.forward(*args)
+        return out
+
+
+def sequences(rng: random.Random, count: int) -> list[Sequence]:
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)  # scattered blocks, as a long-running cache has them
+    seqs = []
+    for i in range(count):
+        prompt = [rng.randrange(200) for _ in range(rng.randint(1, 9))]
+        seq = Sequence(i, f"r{i}", prompt, SamplingParams(max_tokens=8))
+        seq.block_table = [free.pop() for _ in range(5)]  # room for 20 tokens
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_decode_steps_through_the_stack_give_the_python_loops_logits_bit_for_bit(
+    arch: str, dtype: torch.dtype
+) -> None:
+    """mistral and qwen2 slide their windows (qwen2 per layer, with QKV biases); contexts
+    outgrow them. 129 decodes is past the pack plan's rows: the loop, not the stack."""
+    model = tiny_model(arch).to(dtype)
+    with torch.no_grad():  # norms of their own per layer (a tiny model's start all ones)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    native = PagedCausalLM(model, paged_cache(model, dtype))
+    loop = PagedCausalLM(model, paged_cache(model, dtype), native_layers=False)
+    assert native.native_layers is not None and loop.native_layers is None
+    counting = CountingStack(native.native_layers.stack)
+    native.native_layers.stack = counting
+    seqs = sequences(random.Random(arch), 129)
+
+    def step(batch: Batch) -> None:
+        inputs = prepare_inputs(batch, BLOCK, CPU)
+        args = (inputs.input_ids, inputs.positions, inputs.layout)
+        got, want = native(*args), loop(*args)
+        assert torch.equal(got, want)
+        for seq, token in zip(batch.seqs, want.argmax(-1).tolist(), strict=True):
+            seq.num_computed_tokens = seq.num_tokens
+            seq.output_token_ids.append(token)
+
+    prefill = Batch(0)
+    for seq in seqs:
+        prefill.add(seq, seq.num_prompt_tokens)
+    step(prefill)  # prefills: the loop on both sides
+    assert counting.calls == 0
+    for num_decodes in (1, 2, 7, 33, 128, 129, 128):
+        batch = Batch(0)
+        for seq in seqs[:num_decodes]:
+            batch.add(seq, 1)
+        step(batch)
+    assert counting.calls == 6  # every decode-only step but the one of 129
+
+
+def test_the_stack_stays_out_where_the_loop_would_call_other_kernels() -> None:
+    model = tiny_model("llama")
+    cache = paged_cache(model, torch.float32)
+    assert PagedCausalLM(model, cache, native_layers=False).native_layers is None
+    assert PagedCausalLM(model, cache, attention_backend="sdpa").native_layers is None
+    assert PagedCausalLM(model, cache, prepack=False).native_layers is None
+    assert PagedCausalLM(model, cache, fuse_mlp=False).native_layers is None
+    assert PagedCausalLM(model, cache, cpu_kernels=False).native_layers is None
+    qwen3 = tiny_model("qwen3")  # a norm per head before rotary
+    assert PagedCausalLM(qwen3, paged_cache(qwen3, torch.float32)).native_layers is None
+    # other linears swapped in afterwards (tensor parallelism's row-parallel ones): the loop
+    paged = PagedCausalLM(model, cache)
+    assert paged.native_layers is not None
+    counting = CountingStack(paged.native_layers.stack)
+    paged.native_layers.stack = counting
+    seq = sequences(random.Random(0), 1)[0]
+    batch = Batch(0)
+    batch.add(seq, seq.num_prompt_tokens)
+    inputs = prepare_inputs(batch, BLOCK, CPU)
+    paged(inputs.input_ids, inputs.positions, inputs.layout)
+    seq.num_computed_tokens = seq.num_tokens
+    seq.output_token_ids.append(1)
+    batch = Batch(0)
+    batch.add(seq, 1)
+    inputs = prepare_inputs(batch, BLOCK, CPU)
+    paged.linears = list(paged.linears)
+    paged(inputs.input_ids, inputs.positions, inputs.layout)
+    assert counting.calls == 0
