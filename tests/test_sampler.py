@@ -394,6 +394,20 @@ def test_bf16_and_padded_vocab_logits() -> None:
     assert len(set(tokens)) > 1
 
 
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 0}, {"presence_penalty": 0.0}])
+def test_greedy_over_bf16_logits_is_the_argmax_of_their_fp32_values(extra: dict[str, Any]) -> None:
+    """All-greedy rows take their argmax in the model's dtype (no fp32 copy): the same first
+    index of the maximum as over the widened logits, with ties, padding columns and a NaN."""
+    logits = (random_logits(16, 40, seed=11) * 4).round().to(torch.bfloat16)  # many ties
+    logits[:, 30:] = 1e4  # padding beyond vocab_size
+    logits[3, 7] = math.nan  # a NaN counts as the maximum, as in torch.argmax
+    seqs = [make_seq(seq_id=i, temperature=0.0, **extra) for i in range(16)]
+    want = logits[:, :30].float().argmax(dim=-1).tolist()
+    assert want[3] == 7 and len(set(want)) > 1
+    for cpu_kernels in (True, False):
+        assert tokens_of(Sampler(30, CPU, cpu_kernels=cpu_kernels), logits, seqs) == want
+
+
 def test_leaves_the_callers_logits_untouched() -> None:
     logits = random_logits(3, 20, seed=10)
     before = logits.clone()

@@ -127,6 +127,7 @@ def _dense_kernels(hf_model: PreTrainedModel) -> Any:
         return None
     norms = [m for layer in hf_model.model.layers
              for m in (layer.input_layernorm, layer.post_attention_layernorm)]  # fmt: skip
+    norms.append(hf_model.model.norm)
     if not all(type(m).__name__ in _RMS_NORMS and m.weight.dtype == weight.dtype for m in norms):
         return None
     return native_kernels.native()
@@ -174,6 +175,7 @@ class PagedCausalLM:
              float(layer.post_attention_layernorm.variance_epsilon))
             for layer in self.layers
         ] if self.dense_kernels is not None else []  # fmt: skip
+        self._final_eps = float(getattr(self.norm, "variance_epsilon", 0.0))
         # NOTE: the kernel writes the shared cache layout itself: only for backends that
         # store K/V as the base class does, and only where no per-head norm precedes rotary
         self._fused_rotary = (
@@ -231,7 +233,12 @@ class PagedCausalLM:
         if logits_indices is not None:
             last = last[logits_indices]
         # NOTE: the final norm is per token, so norming only the rows we need is identical.
-        return self.lm_head_linear(self.norm(hidden[last]))  # (B', V)
+        rows = hidden[last]
+        if self.dense_kernels is not None:
+            normed = self.dense_kernels.rms_norm(rows, self.norm.weight, self._final_eps)
+        else:
+            normed = self.norm(rows)
+        return self.lm_head_linear(normed)  # (B', V)
 
     __call__ = forward
 

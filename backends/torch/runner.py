@@ -235,7 +235,7 @@ class TorchBackend(Backend):
 
     def _execute(self, batch: Batch) -> ExecuteOutput:
         rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
-        logits = self.logits(batch, rows)
+        logits = self.raw_logits(batch, rows)  # the sampler widens them where it must
         seqs = [batch.seqs[i] for i in rows]
         if not seqs:
             return ExecuteOutput()
@@ -247,9 +247,14 @@ class TorchBackend(Backend):
     def logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
         """Run `batch` (writing its KV) and return float32 logits (B', V) at the last scheduled
         token of `batch.seqs[rows]` (every sequence when `rows` is None)."""
+        return self.raw_logits(batch, rows).float()
+
+    def raw_logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
+        """`logits` in the model's dtype."""
         inputs = self.prepare(batch)
         indices = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model(inputs.input_ids, inputs.positions, inputs.layout, indices).float()
+        out: torch.Tensor = self.model(inputs.input_ids, inputs.positions, inputs.layout, indices)
+        return out
 
     def prepare(self, batch: Batch) -> ModelInput:
         """Flatten `batch` into token ids, positions and attention layout on the device."""

@@ -78,6 +78,10 @@ class Sampler:
         if not seqs:
             return []
         params = [seq.sampling_params for seq in seqs]
+        if all(_is_plain_greedy(p) for p in params) and all(s.grammar is None for s in seqs):
+            # NOTE: in the model's dtype: widening to fp32 is exact, so the argmax is the same
+            greedy_ids = self._argmax(logits[:, : self.vocab_size]).tolist()
+            return [TokenLogprob(token_id, math.nan, []) for token_id in greedy_ids]
         logits = logits[:, : self.vocab_size].float()  # [B, V]
         if any(p.logit_bias or p.has_penalties for p in params):
             logits = logits.clone()
@@ -164,6 +168,12 @@ def _argmax_of(device: torch.device, cpu_kernels: bool) -> Callable[[torch.Tenso
     if kernels is None:
         return lambda logits: logits.argmax(dim=-1)
     return kernels.argmax  # type: ignore[no-any-return]
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing to add first (bias, penalties) and no logprobs to report."""
+    plain = not (params.logit_bias or params.has_penalties) and params.logprobs is None
+    return plain and _is_greedy(params)
 
 
 def _is_greedy(params: SamplingParams) -> bool:

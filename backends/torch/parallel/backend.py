@@ -224,15 +224,15 @@ class TensorParallelBackend(TorchBackend):
 
     # -- stepping --------------------------------------------------------------------
 
-    def logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
-        """Broadcast the step, run rank 0's part of the forward, return the gathered logits."""
+    def raw_logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
+        """Broadcast the step, run rank 0's part of the forward, return the gathered logits
+        (in the model's dtype; `logits` widens them)."""
         group = self._group()
         step = FlatStep.of(self.prepare(batch), rows)
         with group.exchange():
             group.send(Kind.STEP, self.instance_id, step.sizes)
             group.channel.buffer(step.pack())
-            logits = self.run_step(step)
-        return logits.float()
+            return self.run_step(step)
 
     def run_step(self, step: FlatStep) -> torch.Tensor:
         """This rank's part of one forward (the logits are whole on rank 0 only)."""
