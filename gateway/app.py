@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -51,6 +52,18 @@ from gateway.traffic_record import TrafficRecorder
 log = structlog.get_logger("carousel.gateway")
 
 
+def _freeze_gc() -> None:
+    """Move every object alive now (the loaded model, tokenizer, modules) into the GC's
+    permanent generation, as vLLM does after start-up: a full collection then walks only what
+    requests allocate. Without it, a full collection walked the whole start-up heap: 0.35 s
+    with the GIL held (the event loop and the engine's Python both stalled) every few thousand
+    streamed tokens (issue 15, docs/benchmarks.md)."""
+    began = time.monotonic()
+    gc.collect()
+    gc.freeze()
+    log.info("gc_frozen", objects=gc.get_freeze_count(), seconds=round(time.monotonic() - began, 3))
+
+
 @dataclass
 class GatewayState:
     """What the routes reach through `request.app.state.gateway`."""
@@ -60,6 +73,9 @@ class GatewayState:
     metrics: GatewayMetrics
     on_fatal: Callable[[], None] | None = None
     load_failed: bool = False
+    #: once every arm is ready, freeze what the start-up allocated out of the cyclic GC (a
+    #: server process: `carousel serve`); see `_freeze_gc`
+    freeze_gc_when_ready: bool = False
     #: the traffic record (`--record-traffic`), None when off
     recorder: TrafficRecorder | None = None
     #: stored Responses API responses (`previous_response_id`, GET/DELETE /v1/responses/{id})
@@ -94,6 +110,8 @@ class GatewayState:
                 kind=arm.kind,
                 load_s=round(time.monotonic() - began, 3),
             )
+        if self.freeze_gc_when_ready:
+            _freeze_gc()
 
     async def stop(self) -> None:
         """Stop every arm, once (later calls wait for the first); requests still in flight

@@ -200,3 +200,8 @@ def test_serve_subprocess_stops_cleanly_and_logged_json(cli_server: CliServer) -
     requests = [line for line in lines if line.get("event") == "request"]
     assert requests and all(r["status"] in (200, 401) for r in requests)
     assert "sekret-key" not in text and "private words" not in text
+    # once its arms were ready, the server froze its start-up heap out of the cyclic GC
+    events = [line.get("event") for line in lines]
+    frozen = [line for line in lines if line.get("event") == "gc_frozen"]
+    assert len(frozen) == 1 and frozen[0]["objects"] > 0
+    assert events.index("gc_frozen") > events.index("arm_ready")
