@@ -3,7 +3,9 @@ Python loop's logits, and only where that loop would call exactly its kernels.""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 from typing import Any
 
 import pytest
@@ -13,10 +15,11 @@ from backends.torch import cpu_kernels
 from backends.torch.inputs import prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, attention_specs
+from backends.torch.runner import TorchBackend
 from schedulers.batch import Batch
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
-from tests.tiny_models import tiny_model
+from tests.tiny_models import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="no CPU kernels here")
 
@@ -124,3 +127,14 @@ def test_the_stack_stays_out_where_the_loop_would_call_other_kernels() -> None:
     paged.linears = list(paged.linears)
     paged(inputs.input_ids, inputs.positions, inputs.layout)
     assert counting.calls == 0
+
+
+def test_closing_the_backend_frees_the_kv_cache_the_stack_held() -> None:
+    backend = TorchBackend(
+        tiny_model("llama"), tiny_tokenizer(), device="cpu", dtype="float32", kv_cache_gb=0.01
+    )
+    assert backend.model.native_layers is not None
+    k_cache = weakref.ref(backend.kv_cache.k[0])
+    backend.close()
+    gc.collect()
+    assert k_cache() is None  # nothing (the stack included) keeps the KV memory alive

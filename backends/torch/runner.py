@@ -264,6 +264,7 @@ class TorchBackend(Backend):
         self.sampler.release(seq_id)
 
     def close(self) -> None:
+        self.model.native_layers = None  # it holds every layer's K/V tensors too
         self.kv_cache.k.clear()
         self.kv_cache.v.clear()
         if self.device.type == "cuda":
