@@ -86,6 +86,7 @@ def generate(
     def sample(logits: torch.Tensor, batch_seqs: list[Sequence]) -> Any:
         for row, seq in enumerate(batch_seqs):
             states[seq.seq_id].fill_bitmask(bitmask, row)
+        logits = logits.float().clone()  # the model's (inference-mode) logits stay untouched
         apply_grammar_bitmask(logits, list(range(len(batch_seqs))), bitmask)
         return inner(logits, batch_seqs)
 

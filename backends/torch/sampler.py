@@ -83,8 +83,13 @@ class Sampler:
             greedy_ids = self._argmax(logits[:, : self.vocab_size]).tolist()
             return [TokenLogprob(token_id, math.nan, []) for token_id in greedy_ids]
         logits = logits[:, : self.vocab_size].float()  # [B, V]
-        if any(p.logit_bias or p.has_penalties for p in params):
+        # NOTE: the steps below write into the logits: a copy of the caller's (which may be
+        # the model's own inference-mode tensor, where in-place writes are refused)
+        if any(p.logit_bias or p.has_penalties for p in params) or any(
+            seq.grammar is not None for seq in seqs
+        ):
             logits = logits.clone()
+        if any(p.logit_bias or p.has_penalties for p in params):
             _apply_logit_bias(logits, params)
             _apply_penalties(logits, seqs)
         if any(seq.grammar is not None for seq in seqs):  # NOTE: other rows stay untouched
