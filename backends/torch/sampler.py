@@ -78,21 +78,20 @@ class Sampler:
         if not seqs:
             return []
         params = [seq.sampling_params for seq in seqs]
-        if all(_is_plain_greedy(p) for p in params) and all(s.grammar is None for s in seqs):
+        adjusted = any(p.logit_bias or p.has_penalties for p in params)
+        constrained = any(seq.grammar is not None for seq in seqs)
+        if not constrained and all(_is_plain_greedy(p) for p in params):
             # NOTE: in the model's dtype: widening to fp32 is exact, so the argmax is the same
             greedy_ids = self._argmax(logits[:, : self.vocab_size]).tolist()
             return [TokenLogprob(token_id, math.nan, []) for token_id in greedy_ids]
-        logits = logits[:, : self.vocab_size].float()  # [B, V]
-        # NOTE: the steps below write into the logits: a copy of the caller's (which may be
-        # the model's own inference-mode tensor, where in-place writes are refused)
-        if any(p.logit_bias or p.has_penalties for p in params) or any(
-            seq.grammar is not None for seq in seqs
-        ):
-            logits = logits.clone()
-        if any(p.logit_bias or p.has_penalties for p in params):
+        # NOTE: the steps below write into the logits, so they get a copy of the caller's
+        # (which may be the model's own inference-mode tensor, where in-place writes are
+        # refused): one copy, the widening's own where it widens
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=adjusted or constrained)
+        if adjusted:
             _apply_logit_bias(logits, params)
             _apply_penalties(logits, seqs)
-        if any(seq.grammar is not None for seq in seqs):  # NOTE: other rows stay untouched
+        if constrained:  # NOTE: other rows stay untouched
             self._grammar_mask(logits, [seq.grammar for seq in seqs])
         if all(_is_greedy(p) for p in params):
             tokens = self._argmax(logits)  # [B]
