@@ -41,6 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_forward import decode_step_times  # noqa: E402
 
 from backends.torch.device_thread import run_on_device_thread  # noqa: E402
+from backends.torch.packed import onednn_packs  # noqa: E402
 from backends.torch.runner import TorchBackend  # noqa: E402
 
 MATMUL_N = 2048
@@ -68,7 +69,7 @@ def matmul_peak(dtype: torch.dtype, repeats: int = 5) -> float:
     a = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
     b = torch.randn(MATMUL_N, MATMUL_N).to(dtype)
     kernels: list[Callable[[], object]] = [lambda: a @ b]
-    if torch.backends.mkldnn.is_available():
+    if onednn_packs(dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(b, MATMUL_N)
         kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     flops = 2 * MATMUL_N**3

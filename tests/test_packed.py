@@ -13,7 +13,14 @@ from backends.torch import cpu_kernels
 from backends.torch.fused import fuse_layer
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, _LayerLinears, attention_specs
-from backends.torch.packed import ONEDNN, Linear, PackPlan, cached_linear, pack_plan
+from backends.torch.packed import (
+    ONEDNN,
+    Linear,
+    PackPlan,
+    cached_linear,
+    onednn_packs,
+    pack_plan,
+)
 from backends.torch.runner import TorchBackend
 from tests.tiny_models import tiny_model, tiny_tokenizer
 
@@ -28,7 +35,7 @@ ONEDNN_PLANS = {
 
 def plans(dtype: torch.dtype) -> list[PackPlan]:
     """oneDNN's plan where oneDNN is there, and `pack_plan`'s own (native where it builds)."""
-    found = [ONEDNN_PLANS[dtype]] if torch.backends.mkldnn.is_available() else []
+    found = [ONEDNN_PLANS[dtype]] if onednn_packs(dtype) else []
     plan = pack_plan(CPU, dtype)
     return found + [plan] if plan is not None and plan not in found else found
 

@@ -71,11 +71,26 @@ def pack_plan(device: torch.device, dtype: torch.dtype, *, native: bool = True) 
         return None
     if native and dtype in cpu_kernels.DTYPES and cpu_kernels.native() is not None:
         return _NATIVE_PLAN
-    if not torch.backends.mkldnn.is_available():
-        return None
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if not onednn_packs(dtype):
         return None
     return _PLANS.get(dtype)
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs here for `dtype`.
+
+    Its bf16 and fp16 reorders need the CPU's support (bf16: AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
+    on an AVX2-only CPU `_reorder_linear_weight` raises, so those dtypes keep `F.linear`.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
 class Linear:
