@@ -49,7 +49,16 @@ log = structlog.get_logger("carousel.engine")
 
 MODULE = "carousel_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
-HEADERS = ("kernels.h", "simd.h", "tasks.h")
+HEADERS = (
+    "kernels.h",
+    "simd.h",
+    "tasks.h",
+    "avx2/simd.h",
+    "avx2/linear.h",
+    "avx2/attention.h",
+    "avx2/norm.h",
+    "avx2/rotary.h",
+)
 SOURCES = (
     "bindings.cpp",
     "linear.cpp",
@@ -58,19 +67,18 @@ SOURCES = (
     "rotary.cpp",
     "decode_layers.cpp",
 )
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+#: the instruction sets the kernels are written for, best first: the CPU flags each needs, and
+#: its compiler flags. Without AVX-512 the sources take their avx2/ implementations.
+ISAS = {
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+    ),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+}
 # NOTE: -ffp-contract=off: an elementwise formula (rotary) must round after each product, as
 # torch's ops do, not fuse it into the next add
-FLAGS = [
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mfma",
-    "-fopenmp",
-    "-ffp-contract=off",
-]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 ENV_SWITCH = "CAROUSEL_CPU_KERNELS"
 
 _lock = threading.Lock()
@@ -89,14 +97,31 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def isa() -> str | None:
+    """The best instruction set of `ISAS` this CPU has (None: neither)."""
+    have = cpu_flags()
+    for name, (needs, _) in ISAS.items():
+        if all(flag in have for flag in needs):
+            return name
+    return None
+
+
+def build_flags() -> list[str]:
+    """The compiler flags for this CPU's instruction set."""
+    name = isa()
+    if name is None:
+        raise RuntimeError("no instruction set of ISAS on this CPU")
+    return [*COMMON_FLAGS, *ISAS[name][1]]
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be built here, or None where they can be tried."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return f"{ENV_SWITCH}=0"
     if sys.platform != "linux":
         return f"built for Linux only, not {sys.platform}"
-    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
-    if missing:
+    if isa() is None:
+        missing = [f for f in ISAS["avx2"][0] if f not in cpu_flags()]
         return f"this CPU lacks {', '.join(missing)}"
     if not any(shutil.which(c) for c in ("c++", "g++")):
         return "no C++ compiler (c++ or g++) on PATH"
@@ -142,7 +167,7 @@ def _build() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
         log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
         return None
-    log.info("cpu_kernels_ready", module=str(module.__file__))
+    log.info("cpu_kernels_ready", module=str(module.__file__), isa=isa())
     return module
 
 
@@ -151,7 +176,7 @@ def _digest() -> str:
     digest = hashlib.sha256()
     for name in [*SOURCES, *HEADERS]:
         digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join(build_flags()).encode())
     digest.update(f"{torch.__version__} {sys.version}".encode())
     return digest.hexdigest()[:16]
 
@@ -163,7 +188,7 @@ def _compile(build_dir: Path) -> ModuleType:
     module: ModuleType = cpp_extension.load(
         name=MODULE,
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=FLAGS,
+        extra_cflags=build_flags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,

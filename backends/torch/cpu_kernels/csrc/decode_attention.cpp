@@ -23,13 +23,14 @@ namespace carousel {
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per K/V head
-constexpr int64_t kKeys = 16;      // keys per group: one score vector
+constexpr int64_t kKeys = kLanes;  // keys per group: one score vector
 
 struct Shape {
   int64_t block_size, num_kv_heads, group, head_dim;
   float scale;
 };
 
+#if defined(__AVX512F__)
 // lane k: the sum of the lanes of d[k]
 inline __m512 sum16(const __m512* d) {
   __m512 r[4];
@@ -46,6 +47,7 @@ inline __m512 sum16(const __m512* d) {
                                    _mm512_shuffle_f32x4(r[2], r[3], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
 }
+#endif
 
 // Ask for one head's row of each of `count` slots ahead of use.
 template <typename T>
@@ -63,6 +65,7 @@ struct Scratch {
   std::vector<int64_t> slots;
 };
 
+#if defined(__AVX512F__)
 // The g query heads of K/V head h against keys `slots[0, n)`: C = ceil(head_dim / 16)
 // vectors per head row, the last one masked.
 template <typename T, int C>
@@ -162,6 +165,9 @@ void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
             mask[c]);
   }
 }
+#else
+#include "avx2/attention.h"
+#endif
 
 // Heads [h0, h1) of one sequence: keys [start, stop) of its context through `blocks`.
 // q and out point at the sequence's first query head.
@@ -186,6 +192,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* block
                       scratch.buf.data(), out + h * g * s.head_dim);
 }
 
+#if defined(__AVX512F__)
 // f(std::integral_constant<int, C>{}) for the C that covers head_dim (C = 16 above 128)
 template <typename F>
 void dispatch_chunks(int64_t head_dim, F&& f) {
@@ -201,6 +208,7 @@ void dispatch_chunks(int64_t head_dim, F&& f) {
     default: f(std::integral_constant<int, 16>{}); break;
   }
 }
+#endif
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

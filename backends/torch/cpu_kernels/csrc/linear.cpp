@@ -26,6 +26,7 @@
 namespace carousel {
 namespace {
 
+#if defined(__AVX512F__)
 constexpr int kRows = 6;  // rows of x per pass: 24 accumulators + 4 weight vectors in 32 zmm
 
 template <typename T>
@@ -60,6 +61,7 @@ struct Traits<float> {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), acc);
   }
 };
+#endif
 
 // What a tile's accumulators become: the plain product (64 columns, plus bias), or
 // silu(gate) * up of a gate/up tile (32 columns)
@@ -68,6 +70,7 @@ enum class Epilogue { kPlain, kSiluMul };
 template <Epilogue E>
 constexpr int64_t kOutCols = E == Epilogue::kPlain ? kTileCols : kTileCols / 2;
 
+#if defined(__AVX512F__)
 template <Epilogue E, typename T>
 inline void store_row(const __m512 (&acc)[4], const float* bias, T* y, int64_t cols) {
   if constexpr (E == Epilogue::kSiluMul) {
@@ -120,6 +123,9 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
     default: break;
   }
 }
+#else
+#include "avx2/linear.h"
+#endif
 
 template <Epilogue E, typename T>
 void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor* bias,

@@ -17,6 +17,7 @@
 namespace carousel {
 namespace {
 
+#if defined(__AVX512F__)
 // one row: optionally h = T(h + d) first; then out = w * T(h * rsqrt(mean(h^2) + eps))
 template <typename T>
 void norm_row(T* h, const T* d, const T* w, float eps, int64_t H, T* out) {
@@ -38,6 +39,9 @@ void norm_row(T* h, const T* d, const T* w, float eps, int64_t H, T* out) {
     store(out + i, _mm512_mul_ps(load(w + i, m), y), m);
   }
 }
+#else
+#include "avx2/norm.h"
+#endif
 
 template <typename T>
 void norm_rows(const torch::Tensor& h, const torch::Tensor* d, const torch::Tensor& w,
@@ -82,7 +86,7 @@ void silu_mul_rows(const torch::Tensor& g, const torch::Tensor& u, const torch::
   at::parallel_for(0, (n + kLanes - 1) / kLanes, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t i = c * kLanes;
-      const __mmask16 m = tail_mask(n - i);
+      const auto m = tail_mask(n - i);
       store(op + i, silu_mul_vec(load(gp + i, m), load(up + i, m), op), m);
     }
   });

@@ -16,6 +16,7 @@
 namespace carousel {
 namespace {
 
+#if defined(__AVX512F__)
 // heads [0, heads) of one token's row, each rotated in place
 template <typename T>
 void rotate_heads(T* row, const T* cos, const T* sin, int64_t heads, int64_t hd) {
@@ -38,6 +39,9 @@ void rotate_heads(T* row, const T* cos, const T* sin, int64_t heads, int64_t hd)
     }
   }
 }
+#else
+#include "avx2/rotary.h"
+#endif
 
 template <typename T>
 void run(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -63,6 +67,7 @@ void run(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor
   });
 }
 
+#if defined(__AVX512F__)
 template <typename T>
 void argmax_rows(const torch::Tensor& x, const torch::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1);
@@ -108,6 +113,7 @@ void argmax_rows(const torch::Tensor& x, const torch::Tensor& out) {
     }
   });
 }
+#endif
 
 }  // namespace
 

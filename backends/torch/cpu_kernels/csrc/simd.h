@@ -1,5 +1,7 @@
-// AVX-512 helpers shared by the kernels: 16-lane fp32 vectors, loaded from and stored to fp32
+// SIMD helpers shared by the kernels: 16-lane fp32 vectors, loaded from and stored to fp32
 // or bf16 memory (bf16 widened exactly, narrowed round-to-nearest-even as torch does).
+// Built without AVX-512 (an AVX2 CPU), the 8-lane helpers of avx2/simd.h stand in for them,
+// and each kernel takes its avx2/ implementation.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,14 +10,6 @@
 #include <cstdint>
 
 namespace carousel {
-
-constexpr int kLanes = 16;
-
-// the first n lanes (none for n <= 0, all 16 from n >= 16)
-inline __mmask16 tail_mask(int64_t n) {
-  if (n <= 0) return 0;
-  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
 
 // f(T{}) with T the element type of `dtype` (float or at::BFloat16), the dtypes every kernel
 // computes in; anything else is an error naming the kernel
@@ -28,6 +22,21 @@ void dispatch(at::ScalarType dtype, const char* kernel, F&& f) {
   } else {
     TORCH_CHECK(false, kernel, " supports float32 and bfloat16, not ", dtype);
   }
+}
+
+}  // namespace carousel
+
+#if !defined(__AVX512F__)
+#include "avx2/simd.h"
+#else
+namespace carousel {
+
+constexpr int kLanes = 16;
+
+// the first n lanes (none for n <= 0, all 16 from n >= 16)
+inline __mmask16 tail_mask(int64_t n) {
+  if (n <= 0) return 0;
+  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
 
 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -81,3 +90,4 @@ inline __m512 silu_mul_vec(__m512 g, __m512 u, const T* like) {
 }
 
 }  // namespace carousel
+#endif  // __AVX512F__
