@@ -40,6 +40,100 @@ def test_the_kernels_build_wherever_nothing_rules_them_out() -> None:
         assert KERNELS is not None, "the CPU kernels failed to build (see the log above)"
 
 
+NO_COMPILER = "no C++ compiler (c++ or g++) on PATH"
+
+
+def test_the_build_takes_the_best_instruction_set_the_cpu_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AVX-512 (BF16) where the CPU has it, else AVX2 with FMA and F16C, else nothing."""
+    monkeypatch.delenv(cpu_kernels.ENV_SWITCH, raising=False)
+    avx2 = {"avx", "avx2", "fma", "f16c"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    cases = [(avx512, "avx512", "-mavx512bf16"), (avx2, "avx2", "-mavx2")]
+    for flags, isa, flag in cases:
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: set(flags))
+        assert cpu_kernels.isa() == isa
+        assert flag in cpu_kernels.build_flags()
+        if sys.platform == "linux" and isa == "avx512":
+            assert cpu_kernels.unavailable_reason() in (None, NO_COMPILER)
+    # AVX2 alone builds only when asked for
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: set(avx2))
+    if sys.platform == "linux":
+        assert "CAROUSEL_CPU_KERNELS=avx2" in str(cpu_kernels.unavailable_reason())
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, cpu_kernels.AVX2_OPT_IN)
+        assert cpu_kernels.unavailable_reason() in (None, NO_COMPILER)
+        monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+    # AVX-512 without BF16 is built as AVX2; without F16C, nothing
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx512 - {"avx512_bf16"})
+    assert cpu_kernels.isa() == "avx2"
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2 - {"f16c"})
+    assert cpu_kernels.isa() is None
+    assert cpu_kernels.unavailable_reason() == "this CPU lacks f16c"
+    # the two builds never share a cache entry
+    digests = set()
+    for flags in (avx512, avx2):
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: set(flags))
+        digests.add(cpu_kernels._digest())
+    assert len(digests) == 2
+
+
+AVX2_CHECK = """
+import torch, torch.nn.functional as F
+from backends.torch import cpu_kernels as ck
+k = ck.native()
+assert k is not None and ck.isa() == "avx2", ck.why_off()
+torch.manual_seed(0)
+for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2**-6)):
+    for rows in (1, 7, 33):
+        w, b = torch.randn(150, 98, dtype=dtype), torch.randn(150)
+        x = torch.randn(rows, 98, dtype=dtype)
+        got = k.linear(x, ck.pack_weight(w), 150, ck.pack_bias(b, 150))
+        want = F.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 10)
+        g, u = torch.randn(70, 98, dtype=dtype), torch.randn(70, 98, dtype=dtype)
+        got = k.linear_silu_mul(x, ck.pack_gate_up(g, u), 70)
+        want = F.silu(F.linear(x.double(), g.double())) * F.linear(x.double(), u.double())
+        torch.testing.assert_close(got.double(), want, rtol=tol * 4, atol=tol * 40)
+# decode attention over scattered blocks against softmax(q k^T) v
+nb, bs, nkv, hd, nh = 12, 4, 3, 64, 9
+kc, vc = torch.randn(nb, bs, nkv, hd), torch.randn(nb, bs, nkv, hd)
+tables = torch.tensor([[5, 2, 9, 0], [11, 3, 7, 1]])
+lens = torch.tensor([13, 6])
+q = torch.randn(2, nh, hd)
+out = torch.empty_like(q)
+k.decode_attention(q, kc, vc, tables, lens, hd**-0.5, -1, out)
+for d in range(2):
+    slots = [int(tables[d, t // bs]) * bs + t % bs for t in range(int(lens[d]))]
+    keys = kc.view(-1, nkv, hd)[slots].repeat_interleave(nh // nkv, 1)
+    vals = vc.view(-1, nkv, hd)[slots].repeat_interleave(nh // nkv, 1)
+    p = torch.softmax(torch.einsum("hd,thd->ht", q[d], keys) * hd**-0.5, -1)
+    torch.testing.assert_close(out[d], torch.einsum("ht,thd->hd", p, vals), rtol=1e-4, atol=1e-5)
+h, wn = torch.randn(5, 100), torch.randn(100)
+want = wn * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+torch.testing.assert_close(k.rms_norm(h, wn, 1e-6), want, rtol=1e-5, atol=1e-5)
+logits = torch.randn(3, 1001)
+assert torch.equal(k.argmax(logits), logits.argmax(-1))
+print("avx2 ok")
+"""
+
+
+def test_the_avx2_build_computes_what_torch_does_where_only_avx2_runs() -> None:
+    """On an AVX2-only CPU, with the opt-in: linear, gate/up, attention, norm and argmax."""
+    if cpu_kernels.isa() != "avx2" or cpu_kernels.unavailable_reason() not in (
+        None,
+        f"AVX2 only, no AVX-512 BF16 ({cpu_kernels.ENV_SWITCH}=avx2 builds the AVX2 kernels)",
+    ):
+        pytest.skip("not an AVX2-only CPU with a compiler")
+    env = {**os.environ, cpu_kernels.ENV_SWITCH: cpu_kernels.AVX2_OPT_IN}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", AVX2_CHECK], env=env, cwd=root, timeout=900,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0 and "avx2 ok" in done.stdout, done.stderr[-3000:]
+
+
 def reference_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 

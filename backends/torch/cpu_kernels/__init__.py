@@ -1,4 +1,12 @@
-"""Carousel's own AVX-512 CPU kernels for the decode step, compiled once on first use.
+"""Carousel's own AVX-512 / AVX2 CPU kernels for the decode step, compiled once on first use.
+
+Each source is written for AVX-512 with BF16 and has an AVX2 implementation (csrc/avx2/, for
+CPUs without AVX-512: AMD Zen 2 and 3, Intel Haswell to Comet Lake) over the same packed
+layouts; the build takes the CPU's best instruction set (`isa()`). With AVX2, bf16 weights are
+widened to fp32 in registers (no native bf16 products) and `linear` works a tile in sub-tiles
+of 16 columns (16 ymm registers). The AVX2 build is opt-in (`CAROUSEL_CPU_KERNELS=avx2`): on the
+2-core Zen 3 EPYC, fp32, the bare decode step was 1.3-2.2x torch's kernels at 1-8 sequences but
+0.74-0.89x at 32-64 (docs/benchmarks.md, issue 15, ninth pass).
 
 Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
 
@@ -20,11 +28,13 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
   decode step drops 7-11% with them.
 
 They are built with torch's C++ extension loader (g++ and ninja) into Carousel's cache dir
-(`cpu_kernels/<digest of the sources, flags, torch and Python>/`), about 20-40 s the first
-time, under an flock (a build killed half-way leaves no lock behind); later processes import
-the built module directly, in well under a second. Where they cannot run (no AVX-512 with
-BF16, no compiler, a failed build, or `CAROUSEL_CPU_KERNELS=0`), `native()` returns None, the
-reason is logged once, and callers keep torch's own kernels.
+(`cpu_kernels/<digest of the sources, flags, torch and Python>/`), about 20-40 s the first time,
+under an flock (a build killed half-way leaves no lock behind); later processes import the built
+module directly, in well under a second. Where they cannot run (neither AVX-512 with BF16 nor
+AVX2 with FMA and F16C, no compiler, a failed build, or `CAROUSEL_CPU_KERNELS=0`, an AVX2-only
+CPU without the opt-in `CAROUSEL_CPU_KERNELS=avx2`), `native()` returns None, the reason is
+logged once, and callers keep torch's own kernels. `cpu_kernels_ready` logs the instruction set
+built.
 """
 
 from __future__ import annotations
@@ -80,6 +90,7 @@ ISAS = {
 # torch's ops do, not fuse it into the next add
 COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 ENV_SWITCH = "CAROUSEL_CPU_KERNELS"
+AVX2_OPT_IN = "avx2"  # the switch's value that builds the AVX2 kernels on an AVX2-only CPU
 
 _lock = threading.Lock()
 _loaded: tuple[ModuleType | None] | None = None  # (module or None) once tried
@@ -116,13 +127,19 @@ def build_flags() -> list[str]:
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be built here, or None where they can be tried."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if switch in ("0", "false", "no", "off"):
         return f"{ENV_SWITCH}=0"
     if sys.platform != "linux":
         return f"built for Linux only, not {sys.platform}"
     if isa() is None:
         missing = [f for f in ISAS["avx2"][0] if f not in cpu_flags()]
         return f"this CPU lacks {', '.join(missing)}"
+    if isa() == "avx2" and switch != AVX2_OPT_IN:
+        # NOTE: opt-in for now: on the 2-core Zen 3 EPYC (fp32) the AVX2 build is 1.3-2.2x
+        # torch's kernels at 1-8 sequences but 0.74-0.89x at 32-64 (docs/benchmarks.md, issue
+        # 15, ninth pass)
+        return f"AVX2 only, no AVX-512 BF16 ({ENV_SWITCH}={AVX2_OPT_IN} builds the AVX2 kernels)"
     if not any(shutil.which(c) for c in ("c++", "g++")):
         return "no C++ compiler (c++ or g++) on PATH"
     return None
