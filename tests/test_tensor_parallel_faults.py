@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.torch.parallel.backend import TensorParallelBackend
@@ -30,12 +31,15 @@ from tests.tiny_models import TINY, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = 2048
+# a random model may sample <eos> at any step; these tests are about faults, not stopping
+NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a 2048-token context, saved as an HF directory."""
     path = tmp_path_factory.mktemp("tiny-long")
+    torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**TINY, "max_position_embeddings": LONG}))
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
@@ -68,7 +72,8 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> fl
 
 def long_stream(client: openai.OpenAI) -> Iterator[object]:
     stream = client.completions.create(
-        model=SIM_MODEL, prompt="once upon a time", max_tokens=LONG - 64, stream=True
+        model=SIM_MODEL, prompt="once upon a time", max_tokens=LONG - 64, stream=True,
+        extra_body=NO_EOS,
     )
     return iter(stream)
 
@@ -175,7 +180,9 @@ def test_served_tp_arm_answers_and_sigterm_leaves_no_process(
 ) -> None:
     with tp_server(model_dir, tmp_path) as (proc, url):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        done = client.completions.create(model=SIM_MODEL, prompt="hello", max_tokens=5)
+        done = client.completions.create(
+            model=SIM_MODEL, prompt="hello", max_tokens=5, extra_body=NO_EOS
+        )
         assert done.choices[0].finish_reason == "length" and done.usage is not None
         assert done.usage.completion_tokens == 5
         children = children_of(proc.pid)
