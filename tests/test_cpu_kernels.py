@@ -46,16 +46,18 @@ NO_COMPILER = "no C++ compiler (c++ or g++) on PATH"
 def test_the_build_takes_the_best_instruction_set_the_cpu_has(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """AVX-512 (BF16) where the CPU has it, else AVX2 with FMA and F16C, else nothing."""
+    """AVX-512 (BF16) with AMX, then without, else AVX2 with FMA and F16C, else nothing."""
     monkeypatch.delenv(cpu_kernels.ENV_SWITCH, raising=False)
     avx2 = {"avx", "avx2", "fma", "f16c"}
     avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-    cases = [(avx512, "avx512", "-mavx512bf16"), (avx2, "avx2", "-mavx2")]
+    amx = avx512 | {"amx_tile", "amx_bf16"}
+    cases = [(amx, "avx512_amx", "-mamx-bf16"), (avx512, "avx512", "-mavx512bf16"),
+             (avx2, "avx2", "-mavx2")]  # fmt: skip
     for flags, isa, flag in cases:
         monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: set(flags))
         assert cpu_kernels.isa() == isa
         assert flag in cpu_kernels.build_flags()
-        if sys.platform == "linux" and isa == "avx512":
+        if sys.platform == "linux" and isa.startswith("avx512"):
             assert cpu_kernels.unavailable_reason() in (None, NO_COMPILER)
     # AVX2 alone builds only when asked for
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: set(avx2))
@@ -65,17 +67,18 @@ def test_the_build_takes_the_best_instruction_set_the_cpu_has(
         assert cpu_kernels.unavailable_reason() in (None, NO_COMPILER)
         monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
     # AVX-512 without BF16 is built as AVX2; without F16C, nothing
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx512 - {"avx512_bf16"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: amx - {"avx512_bf16"})
     assert cpu_kernels.isa() == "avx2"
+    assert "-mamx-tile" not in cpu_kernels.build_flags()
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2 - {"f16c"})
     assert cpu_kernels.isa() is None
     assert cpu_kernels.unavailable_reason() == "this CPU lacks f16c"
-    # the two builds never share a cache entry
+    # the three builds never share a cache entry
     digests = set()
-    for flags in (avx512, avx2):
+    for flags in (amx, avx512, avx2):
         monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: set(flags))
         digests.add(cpu_kernels._digest())
-    assert len(digests) == 2
+    assert len(digests) == 3
 
 
 AVX2_CHECK = """

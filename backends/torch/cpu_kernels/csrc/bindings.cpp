@@ -11,6 +11,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(x @ gate.T) * (x @ up.T) over a weight from pack_gate_up", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("out_features"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("set_amx_min_rows", &carousel::set_amx_min_rows,
+        "the fewest rows whose bf16 linears take AMX tiles; returns the previous figure",
+        pybind11::arg("rows"));
+  m.def("amx_built", &carousel::amx_built, "whether bf16 linears can take AMX tiles here");
   m.def("decode_attention", &carousel::decode_attention,
         "one-token-per-sequence attention over the paged cache, in place",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),

@@ -14,6 +14,11 @@ constexpr int64_t kTileCols = 64;
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features,
                      const c10::optional<torch::Tensor>& bias);
 
+// The fewest rows of x whose bf16 linears take AMX tiles (returns the previous figure;
+// default 1), and whether this build and process can use AMX at all.
+int64_t set_amx_min_rows(int64_t rows);
+bool amx_built();
+
 // silu(x @ gate.T) * (x @ up.T) (the MLP's first half), with gate and up packed together by
 // `pack_gate_up` (each tile: 32 gate rows, then the same 32 up rows), rounding as
 // silu_mul(linear(x, gate), linear(x, up)) does.

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 
@@ -123,9 +124,25 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
     default: break;
   }
 }
+#if defined(__AMX_BF16__)
+#include "amx.h"
+#endif
 #else
 #include "avx2/linear.h"
 #endif
+
+// the fewest rows of x that take AMX tiles (bf16, where the build and the OS allow them)
+std::atomic<int64_t> amx_min_rows{1};
+
+template <Epilogue E, typename T>
+bool takes_amx(int64_t M, int64_t K) {
+#if defined(__AMX_BF16__)
+  return std::is_same_v<T, at::BFloat16> && K % amx::kKStep == 0 &&
+         M >= amx_min_rows.load(std::memory_order_relaxed) && amx::permitted();
+#else
+  return false;
+#endif
+}
 
 template <Epilogue E, typename T>
 void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor* bias,
@@ -136,6 +153,19 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tenso
   const T* wp = packed.data_ptr<T>();
   const float* bp = bias != nullptr ? bias->data_ptr<float>() : nullptr;
   T* yp = y.data_ptr<T>();
+#if defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (takes_amx<E, T>(M, K)) {
+      parallel_tasks(tiles, [&](int64_t t) {
+        const int64_t col = t * kOutCols<E>;
+        amx::rows_of_tile<E>(xp, M, K, wp + t * K * kTileCols,
+                             bp != nullptr ? bp + col : nullptr, yp + col, N,
+                             std::min(kOutCols<E>, N - col));
+      });
+      return;
+    }
+  }
+#endif
   // NOTE: a tile is one sequential stream of its weights; the threads claim tiles in turn
   parallel_tasks(tiles, [&](int64_t t) {
     const int64_t col = t * kOutCols<E>;
@@ -180,6 +210,16 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
     bp = &*bias;
   }
   return linear_with<Epilogue::kPlain>(x, packed, out_features, bp, "linear");
+}
+
+int64_t set_amx_min_rows(int64_t rows) { return amx_min_rows.exchange(rows); }
+
+bool amx_built() {
+#if defined(__AMX_BF16__)
+  return amx::permitted();
+#else
+  return false;
+#endif
 }
 
 torch::Tensor linear_silu_mul(const torch::Tensor& x, const torch::Tensor& packed,
