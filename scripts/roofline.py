@@ -16,7 +16,9 @@
 
 `--variant NAME:KEY=VALUE,...` adds a backend over the same weights with other
 `TorchBackend` keyword arguments (e.g. `eager:compile=false`), measured interleaved with the
-shipped one, so levers are compared side by side.
+shipped one, so levers are compared side by side. `--amx-ab` adds the shipped backend with
+its bf16 linears kept off AMX tiles (`set_amx_min_rows`, backends/torch/cpu_kernels), as
+variant `no-amx`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +43,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_forward import decode_step_times  # noqa: E402
 
+from backends.torch.cpu_kernels import AMX_OFF, native  # noqa: E402
 from backends.torch.device_thread import run_on_device_thread  # noqa: E402
 from backends.torch.packed import onednn_packs  # noqa: E402
 from backends.torch.runner import TorchBackend  # noqa: E402
 
 MATMUL_N = 2048
+NO_AMX = "no-amx"
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -103,6 +108,20 @@ def floor_s(machine: Machine, dtype: torch.dtype, params: int, nbytes: int, batc
     return max(nbytes / machine.bandwidth, 2 * params * batch / machine.peak[dtype])
 
 
+@contextmanager
+def amx_setting(variant: str) -> Iterator[None]:
+    """AMX off in the kernels while `variant` is `NO_AMX`'s steps run (else as it is)."""
+    kernels = native()
+    if variant != NO_AMX or kernels is None:
+        yield
+        return
+    before = kernels.set_amx_min_rows(AMX_OFF)
+    try:
+        yield
+    finally:
+        kernels.set_amx_min_rows(before)
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """`name:key=value,key=value` -> (name, kwargs); values parse as bool, int, float or str."""
     name, _, spec = text.partition(":")
@@ -133,11 +152,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,...")
+    parser.add_argument("--amx-ab", action="store_true", help="add the shipped one without AMX")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     variants = [("shipped", {}), *map(parse_variant, args.variant)]
+    if args.amx_ab:
+        variants.append((NO_AMX, {}))
     began = time.monotonic()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
@@ -167,7 +189,9 @@ def main() -> None:
         for b in sizes:
             for dtype in dtypes:
                 for name, _ in variants:
-                    steps = decode_step_times(backends[name, dtype], b, args.prompt_len, args.steps)
+                    with amx_setting(name):
+                        steps = decode_step_times(backends[name, dtype], b, args.prompt_len,
+                                                  args.steps)  # fmt: skip
                     times[name, dtype, b].extend(steps)
         print(f"# repeat {repeat + 1}/{args.repeats} done, load {os.getloadavg()[0]:.2f}",
               flush=True)  # fmt: skip
