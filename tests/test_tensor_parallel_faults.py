@@ -74,7 +74,7 @@ def long_stream(client: openai.OpenAI) -> Iterator[object]:
     stream = client.completions.create(
         model=SIM_MODEL, prompt="once upon a time", max_tokens=LONG - 64, stream=True,
         extra_body=NO_EOS,
-    )
+    )  # fmt: skip
     return iter(stream)
 
 
