@@ -134,7 +134,7 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
 // the fewest rows of x that take AMX tiles (bf16, where the build and the OS allow them)
 std::atomic<int64_t> amx_min_rows{1};
 
-template <Epilogue E, typename T>
+template <typename T>
 bool takes_amx(int64_t M, int64_t K) {
 #if defined(__AMX_BF16__)
   return std::is_same_v<T, at::BFloat16> && K % amx::kKStep == 0 &&
@@ -142,6 +142,18 @@ bool takes_amx(int64_t M, int64_t K) {
 #else
   return false;
 #endif
+}
+
+// every row of x against one packed tile, by AMX tiles (`amx`, bf16 only) or vector FMAs
+template <Epilogue E, typename T>
+void tile_rows(bool amx, const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y,
+               int64_t N, int64_t cols) {
+#if defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (amx) return amx::rows_of_tile<E>(x, M, K, w, bias, y, N, cols);
+  }
+#endif
+  rows_of_tile<E, T>(x, M, K, w, bias, y, N, cols);
 }
 
 template <Epilogue E, typename T>
@@ -153,24 +165,12 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tenso
   const T* wp = packed.data_ptr<T>();
   const float* bp = bias != nullptr ? bias->data_ptr<float>() : nullptr;
   T* yp = y.data_ptr<T>();
-#if defined(__AMX_BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (takes_amx<E, T>(M, K)) {
-      parallel_tasks(tiles, [&](int64_t t) {
-        const int64_t col = t * kOutCols<E>;
-        amx::rows_of_tile<E>(xp, M, K, wp + t * K * kTileCols,
-                             bp != nullptr ? bp + col : nullptr, yp + col, N,
-                             std::min(kOutCols<E>, N - col));
-      });
-      return;
-    }
-  }
-#endif
+  const bool amx = takes_amx<T>(M, K);
   // NOTE: a tile is one sequential stream of its weights; the threads claim tiles in turn
   parallel_tasks(tiles, [&](int64_t t) {
     const int64_t col = t * kOutCols<E>;
-    rows_of_tile<E, T>(xp, M, K, wp + t * K * kTileCols, bp != nullptr ? bp + col : nullptr,
-                       yp + col, N, std::min(kOutCols<E>, N - col));
+    tile_rows<E, T>(amx, xp, M, K, wp + t * K * kTileCols, bp != nullptr ? bp + col : nullptr,
+                    yp + col, N, std::min(kOutCols<E>, N - col));
   });
 }
 
