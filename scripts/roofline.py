@@ -43,7 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_forward import decode_step_times  # noqa: E402
 
-from backends.torch.cpu_kernels import AMX_OFF, native  # noqa: E402
+from backends.torch.cpu_kernels import AMX_OFF, amx_from_row, native  # noqa: E402
 from backends.torch.device_thread import run_on_device_thread  # noqa: E402
 from backends.torch.packed import onednn_packs  # noqa: E402
 from backends.torch.runner import TorchBackend  # noqa: E402
@@ -115,11 +115,8 @@ def amx_setting(variant: str) -> Iterator[None]:
     if variant != NO_AMX or kernels is None:
         yield
         return
-    before = kernels.set_amx_min_rows(AMX_OFF)
-    try:
+    with amx_from_row(kernels, AMX_OFF):
         yield
-    finally:
-        kernels.set_amx_min_rows(before)
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:

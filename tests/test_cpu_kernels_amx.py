@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -28,18 +27,14 @@ needs_amx = pytest.mark.skipif(
 )
 
 
-@contextmanager
-def amx_from_row(rows: int) -> Iterator[None]:
-    """The kernels' AMX threshold set to `rows` for the block (the previous one after it)."""
+def amx_from_row(rows: int) -> AbstractContextManager[None]:
     assert KERNELS is not None
-    before = KERNELS.set_amx_min_rows(rows)
-    try:
-        yield
-    finally:
-        KERNELS.set_amx_min_rows(before)
+    return cpu_kernels.amx_from_row(KERNELS, rows)
 
 
-def both_paths(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> tuple:
+def both_paths(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(AMX's, AVX512-BF16's) linear of the same operands."""
     assert KERNELS is not None
     with amx_from_row(1):

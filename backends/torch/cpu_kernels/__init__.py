@@ -50,6 +50,8 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -99,6 +101,7 @@ ISAS = {
 # torch's ops do, not fuse it into the next add
 COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 ENV_SWITCH = "CAROUSEL_CPU_KERNELS"
+SWITCHED_OFF = ("0", "false", "no", "off")  # the values that turn a switch below off
 AMX_SWITCH = "CAROUSEL_AMX"
 AMX_OFF = 2**62  # set_amx_min_rows figure that no batch reaches
 AVX2_OPT_IN = "avx2"  # the switch's value that builds the AVX2 kernels on an AVX2-only CPU
@@ -139,7 +142,7 @@ def build_flags() -> list[str]:
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be built here, or None where they can be tried."""
     switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
-    if switch in ("0", "false", "no", "off"):
+    if switch in SWITCHED_OFF:
         return f"{ENV_SWITCH}=0"
     if sys.platform != "linux":
         return f"built for Linux only, not {sys.platform}"
@@ -204,7 +207,17 @@ def _build() -> ModuleType | None:
 
 def amx_wanted() -> bool:
     """Whether bf16 linears may take AMX tiles (`CAROUSEL_AMX=0` keeps them on AVX512-BF16)."""
-    return os.environ.get(AMX_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(AMX_SWITCH, "1").strip().lower() not in SWITCHED_OFF
+
+
+@contextmanager
+def amx_from_row(module: ModuleType, rows: int) -> Iterator[None]:
+    """`module`'s AMX threshold set to `rows` for the block (`AMX_OFF`: never), then put back."""
+    before = module.set_amx_min_rows(rows)
+    try:
+        yield
+    finally:
+        module.set_amx_min_rows(before)
 
 
 def _digest() -> str:
