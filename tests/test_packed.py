@@ -62,6 +62,24 @@ def test_packed_linear_matches_f_linear_at_every_row_count(dtype: torch.dtype, r
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.amx_on(), reason="bf16 linears take AMX tiles only here")
+def test_on_amx_mixed_steps_of_up_to_256_rows_take_carousels_bf16_kernel() -> None:
+    """Past 128 rows (a mixed step with two prompts) AMX tiles still beat `F.linear`; fp32,
+    which has no AMX products, and prefills past 256 rows keep torch's kernels."""
+    plan = pack_plan(CPU, torch.bfloat16)
+    assert plan is not None
+    weight = torch.randn(96, 80).to(torch.bfloat16)
+    linear = Linear(weight, None, plan)
+    kernels = cpu_kernels.native()
+    assert kernels is not None
+    for rows, ours in ((129, True), (256, True), (257, False)):
+        x = torch.randn(rows, 80).to(torch.bfloat16)
+        want = kernels.linear(x, linear.packed, 96, None) if ours else F.linear(x, weight)
+        assert torch.equal(linear(x), want), rows
+    fp32 = pack_plan(CPU, torch.float32)
+    assert fp32 is not None and fp32.max_rows == 128
+
+
 def test_no_plan_off_cpu_or_for_float64() -> None:
     assert pack_plan(torch.device("cuda"), torch.bfloat16) is None
     assert pack_plan(CPU, torch.float64) is None
@@ -114,7 +132,7 @@ def test_the_mlp_runs_gate_up_and_silu_as_one_kernel_with_the_same_numbers(
                                paged._plan)  # fmt: skip
     assert unfused.gate_up is None and unfused.gate.packed is not None
     hidden = model.config.hidden_size
-    for rows in (1, 7, 64, 128, 129):  # 129: past the plan's rows, the unfused path
+    for rows in (1, 7, 64, 128, 129, 300):  # 300: past any plan's rows, the unfused path
         x = torch.randn(rows, hidden).to(dtype)
         got = paged._mlp(0, x)
         paged.linears[0] = unfused

@@ -22,8 +22,9 @@ with SmolLM2 shapes (us per call, plain -> packed):
   64 rows 133 -> 48 ms (issue 15). So fp32 packs from 1 row too.
 
 With many rows (prefill) the plain path is as fast or faster, so calls outside a plan's row
-window take it. The packed copy is extra memory (one more copy of every projection and of
-lm_head): `carousel serve --no-prepack-weights` keeps one copy and the plain path.
+window take it (past 128 rows; past 256 in bf16 where the linears take AMX tiles). The
+packed copy is extra memory (one more copy of every projection and of lm_head):
+`carousel serve --no-prepack-weights` keeps one copy and the plain path.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ _PLANS = {
 #: Carousel's kernels beat oneDNN's prepacked path at every row count up to here
 _NATIVE_PLAN = PackPlan(min_rows=1, max_rows=128, batch_hint=0, kernel=NATIVE)
 
+#: bf16 where its linears take AMX tiles: Carousel's kernels against torch's own `F.linear`
+#: (oneDNN, AMX too), all SmolLM2 projections in turn on the 2-core AMX Xeon, 1.59x at 128
+#: rows, 1.62x at 155, 1.31x at 256; from 512 rows on about even (0.79-1.25x over runs), so
+#: larger prefills keep `F.linear` (issue 15, eleventh pass). A mixed step (decodes and a
+#: prompt or two) is past 128 rows as soon as it carries two prompts.
+_NATIVE_AMX_PLAN = PackPlan(min_rows=1, max_rows=256, batch_hint=0, kernel=NATIVE)
+
 
 def pack_plan(device: torch.device, dtype: torch.dtype, *, native: bool = True) -> PackPlan | None:
     """When prepacked linears pay off for this device and dtype, and whose (None: never).
@@ -70,7 +78,8 @@ def pack_plan(device: torch.device, dtype: torch.dtype, *, native: bool = True) 
     if device.type != "cpu":
         return None
     if native and dtype in cpu_kernels.DTYPES and cpu_kernels.native() is not None:
-        return _NATIVE_PLAN
+        amx = dtype == torch.bfloat16 and cpu_kernels.amx_on()
+        return _NATIVE_AMX_PLAN if amx else _NATIVE_PLAN
     if not onednn_packs(dtype):
         return None
     return _PLANS.get(dtype)

@@ -198,7 +198,7 @@ def _build() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
         log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
         return None
-    amx = module.amx_built() and amx_wanted()
+    amx = _amx_on(module)
     if not amx:
         module.set_amx_min_rows(AMX_OFF)
     log.info("cpu_kernels_ready", module=str(module.__file__), isa=isa(), amx=amx)
@@ -208,6 +208,17 @@ def _build() -> ModuleType | None:
 def amx_wanted() -> bool:
     """Whether bf16 linears may take AMX tiles (`CAROUSEL_AMX=0` keeps them on AVX512-BF16)."""
     return os.environ.get(AMX_SWITCH, "1").strip().lower() not in SWITCHED_OFF
+
+
+def amx_on() -> bool:
+    """Whether bf16 linears take AMX tiles here: the kernels built for AMX, the OS grants the
+    tile state, and `CAROUSEL_AMX` does not switch them off."""
+    module = native()
+    return module is not None and _amx_on(module)
+
+
+def _amx_on(module: ModuleType) -> bool:
+    return bool(module.amx_built()) and amx_wanted()
 
 
 @contextmanager
