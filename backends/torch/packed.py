@@ -64,7 +64,7 @@ _NATIVE_PLAN = PackPlan(min_rows=1, max_rows=128, batch_hint=0, kernel=NATIVE)
 
 #: bf16 where its linears take AMX tiles: Carousel's kernels against torch's own `F.linear`
 #: (oneDNN, AMX too), all SmolLM2 projections in turn on the 2-core AMX Xeon, 1.59x at 128
-#: rows, 1.62x at 155, 1.31x at 256; from 512 rows on about even (0.79-1.25x over runs), so
+#: rows, 1.62x at 155, 1.31x at 256; from 512 rows on about even (0.74-1.26x over runs), so
 #: larger prefills keep `F.linear` (issue 15, eleventh pass). A mixed step (decodes and a
 #: prompt or two) is past 128 rows as soon as it carries two prompts.
 _NATIVE_AMX_PLAN = PackPlan(min_rows=1, max_rows=256, batch_hint=0, kernel=NATIVE)
