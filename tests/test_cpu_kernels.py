@@ -171,6 +171,29 @@ def test_linear_is_the_matrix_product_at_every_shape(
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [7, 8, 13, 32, 33])
+def test_fp32_rows_that_share_a_tile_in_k_chunks_get_the_bits_each_row_gets_alone(
+    rows: int,
+) -> None:
+    """7 to 32 fp32 rows take a tile in 16 KB chunks of K, their sums carried between chunks
+    (linear.cpp); each row's sums must still come out as that row alone computes them."""
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(rows)
+    k = 64 * 9 + 5  # nine chunks and a remainder
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(200, k, generator=gen)
+    bias = cpu_kernels.pack_bias(torch.randn(200, generator=gen), 200)
+    packed, gate_up = cpu_kernels.pack_weight(w), cpu_kernels.pack_gate_up(w[:100], w[100:])
+    got = KERNELS.linear(x, packed, 200, bias)
+    alone = torch.cat([KERNELS.linear(x[i : i + 1], packed, 200, bias) for i in range(rows)])
+    assert torch.equal(got, alone)
+    got = KERNELS.linear_silu_mul(x, gate_up, 100)
+    alone = torch.cat([KERNELS.linear_silu_mul(x[i : i + 1], gate_up, 100) for i in range(rows)])
+    assert torch.equal(got, alone)
+    assert torch.allclose(got, F.silu(x @ w[:100].T) * (x @ w[100:].T), rtol=1e-4, atol=1e-3)
+
+
+@needs_kernels
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 140),
