@@ -231,24 +231,29 @@ def amx_from_row(module: ModuleType, rows: int) -> Iterator[None]:
         module.set_amx_min_rows(before)
 
 
-def _digest() -> str:
+def _digest(csrc: Path = CSRC) -> str:
     """What the built module depends on: the sources, the flags, torch and Python."""
     digest = hashlib.sha256()
     for name in [*SOURCES, *HEADERS]:
-        digest.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
+        digest.update(name.encode() + b"\0" + (csrc / name).read_bytes())
     digest.update(" ".join(build_flags()).encode())
     digest.update(f"{torch.__version__} {sys.version}".encode())
     return digest.hexdigest()[:16]
 
 
-def _compile(build_dir: Path) -> ModuleType:
+def _compile(build_dir: Path, csrc: Path = CSRC, name: str = MODULE) -> ModuleType:
     _put_ninja_on_path()
     from torch.utils import cpp_extension
 
+    flags = build_flags()
+    if name != MODULE:
+        # NOTE: pybind11 registers each C++ class once per internals ID: a second build's
+        # DecodeStack needs its own ID to load beside the first (quoted for ninja's shell)
+        flags = [*flags, f'-DPYBIND11_COMPILER_TYPE=\\"_{name}\\"']
     module: ModuleType = cpp_extension.load(
-        name=MODULE,
-        sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=build_flags(),
+        name=name,
+        sources=[str(csrc / s) for s in SOURCES],
+        extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,
@@ -256,14 +261,32 @@ def _compile(build_dir: Path) -> ModuleType:
     return module
 
 
-def _import(path: Path) -> ModuleType:
+def build_variant(csrc: Path, name: str) -> ModuleType:
+    """The kernels built from another copy of csrc/ (another commit's) as module `name`, to
+    time beside `native()` in one process (scripts/kernel_ab.py). Two builds under one module
+    name cannot: Python keeps an extension module by its name, so the second import returns
+    the first build. Built once into the cache dir, like `native()`'s."""
+    if name == MODULE:
+        raise ValueError(f"a variant needs a module name other than {MODULE}")
+    build_dir = cache_dir() / "cpu_kernels" / f"{name}-{_digest(csrc)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / "carousel.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = build_dir / f"{name}.so"
+        if built.exists():
+            return _import(built, name)
+        log.info("cpu_kernels_building", build_dir=str(build_dir), note="about 20-40 s")
+        return _compile(build_dir, csrc, name)
+
+
+def _import(path: Path, name: str = MODULE) -> ModuleType:
     """The already-built module at `path` (no compiler, no ninja run)."""
-    spec = importlib.util.spec_from_file_location(MODULE, path)
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules[MODULE] = module
+    sys.modules[name] = module
     return module
 
 
