@@ -185,21 +185,8 @@ def _build() -> ModuleType | None:
     if reason is not None:
         log.info("cpu_kernels_off", reason=reason)
         return None
-    build_dir = cache_dir() / "cpu_kernels" / _digest()
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        # NOTE: an flock, not torch's own lock file: the OS releases it when its holder dies,
-        # so a build killed half-way (a server stopped while starting) never leaves every
-        # later process waiting on its lock file forever
-        with (build_dir / "carousel.lock").open("w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            built = build_dir / f"{MODULE}.so"
-            if built.exists():
-                module = _import(built)
-            else:
-                log.info("cpu_kernels_building", build_dir=str(build_dir), note="about 20-40 s")
-                (build_dir / "lock").unlink(missing_ok=True)  # torch's, from a build that died
-                module = _compile(build_dir)
+        module = _built(cache_dir() / "cpu_kernels" / _digest(), CSRC, MODULE)
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
         log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
         return None
@@ -246,7 +233,7 @@ def _digest(csrc: Path = CSRC) -> str:
     return digest.hexdigest()[:16]
 
 
-def _compile(build_dir: Path, csrc: Path = CSRC, name: str = MODULE) -> ModuleType:
+def _compile(build_dir: Path, csrc: Path, name: str) -> ModuleType:
     _put_ninja_on_path()
     from torch.utils import cpp_extension
 
@@ -273,18 +260,27 @@ def build_variant(csrc: Path, name: str) -> ModuleType:
     the first build. Built once into the cache dir, like `native()`'s."""
     if name == MODULE:
         raise ValueError(f"a variant needs a module name other than {MODULE}")
-    build_dir = cache_dir() / "cpu_kernels" / f"{name}-{_digest(csrc)}"
+    return _built(cache_dir() / "cpu_kernels" / f"{name}-{_digest(csrc)}", csrc, name)
+
+
+def _built(build_dir: Path, csrc: Path, name: str) -> ModuleType:
+    """Module `name` from `build_dir`: imported where an earlier process built it, else built
+    from `csrc` there, one process at a time."""
     build_dir.mkdir(parents=True, exist_ok=True)
+    # NOTE: an flock, not torch's own lock file: the OS releases it when its holder dies, so a
+    # build killed half-way (a server stopped while starting) never leaves every later process
+    # waiting on its lock file forever
     with (build_dir / "carousel.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         built = build_dir / f"{name}.so"
         if built.exists():
             return _import(built, name)
         log.info("cpu_kernels_building", build_dir=str(build_dir), note="about 20-40 s")
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's, from a build that died
         return _compile(build_dir, csrc, name)
 
 
-def _import(path: Path, name: str = MODULE) -> ModuleType:
+def _import(path: Path, name: str) -> ModuleType:
     """The already-built module at `path` (no compiler, no ninja run)."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
