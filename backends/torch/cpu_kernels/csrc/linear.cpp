@@ -90,34 +90,30 @@ inline void store_row(const __m512 (&acc)[4], const float* bias, T* y, int64_t c
   }
 }
 
-// Where a pass of rows over a K chunk asks for weights ahead of use: the pass that streams the
-// chunk, its own lines a few K steps on (next = 0); the pass after it, the next chunk's lines,
-// `next` elements on from the K step it is at, which then stream in while it and the later
-// passes compute from L1.
-struct Ahead {
-  int64_t next = 0;
-};
-
 // `R` (<= kRows) rows of x against K values [k0, k1) of one packed tile; y points at the
 // tile's first column. The sums start from zero at k0 = 0, else from `partial` (R rows of
 // kTileCols fp32); over the tile's last K values they go through the epilogue to y, else
 // back to `partial`. The sums keep every product's order, so a tile taken in K chunks gives
-// the very bits of one taken whole.
+// the very bits of one taken whole. Weights asked for ahead of use: with next = 0 (the pass
+// that streams the chunk) its own lines a few K steps on; else the next chunk's lines, `next`
+// elements on from each K step, which then stream in while this and the later passes compute
+// from L1.
 template <Epilogue E, typename T, int R>
 void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* partial,
-          const float* bias, T* y, int64_t N, int64_t cols, Ahead ahead) {
+          const float* bias, T* y, int64_t N, int64_t cols, int64_t next) {
   using Tr = Traits<T>;
   constexpr int64_t kLines = kTileCols * Tr::kStep * sizeof(T) / 64;  // per K step
   __m512 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < 4; ++j)
-      acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + m * kTileCols + kLanes * j);
+      acc[m][j] =
+          k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + m * kTileCols + kLanes * j);
   for (int64_t k = k0; k < k1; k += Tr::kStep) {
     const T* wk = w + k * kTileCols;
-    if (ahead.next == 0) {
+    if (next == 0) {
       _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kTileCols * Tr::kStep), _MM_HINT_T0);
     } else {
-      const char* n = reinterpret_cast<const char*>(wk + ahead.next);
+      const char* n = reinterpret_cast<const char*>(wk + next);
       for (int64_t l = 0; l < kLines; ++l) _mm_prefetch(n + 64 * l, _MM_HINT_T0);
     }
     __m512i wv[4];
@@ -138,7 +134,7 @@ void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* part
 // K values per chunk of an fp32 tile that 7 to kChunkedRows rows share: 16 KB of weights.
 // Taken whole, a tile's first pass of rows streams it from memory at memory speed, and the
 // later passes re-read it from L2 at compute speed, one after the other; in chunks, the second
-// pass asks for the next chunk while it computes (Ahead), and the stream overlaps the later
+// pass asks for the next chunk while it computes (`tile`'s next), and the stream overlaps the later
 // passes. All SmolLM2 projections, fp32, interleaved in one process: 1.18x at 8 and 13 rows,
 // 1.13x at 24, 1.09x at 32, even at 64 and 0.92x at 128 (the partial sums of that many rows
 // no longer fit L1 beside the chunk), so more rows keep whole passes. bf16 by vdpbf16ps
@@ -157,10 +153,9 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
   partial.resize(M * kTileCols);  // once per thread and size
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
-    // pass p (from 0) of this chunk: how it asks for weights ahead
-    auto ahead = [&](int64_t m) {
-      const int64_t p = m / kRows;
-      return p == 1 && k1 < K ? Ahead{(k1 - k0) * kTileCols} : Ahead{};
+    // the pass of rows from m: the second one (m = kRows) asks for the next chunk
+    auto ahead = [&](int64_t m) -> int64_t {
+      return m == kRows && k1 < K ? (k1 - k0) * kTileCols : 0;
     };
     int64_t m = 0;
     for (; m + kRows <= M; m += kRows)
