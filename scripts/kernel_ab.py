@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from kernel_bench import HIDDEN, INTERMEDIATE, LAYERS, SHAPES  # noqa: E402
+from kernel_bench import HIDDEN, INTERMEDIATE, layer_weights, on_exiting_thread, paged_decode  # noqa: E402
 
 from backends.torch import cpu_kernels  # noqa: E402
 
-CSRC = "backends/torch/cpu_kernels/csrc"
+CSRC = cpu_kernels.CSRC.relative_to(ROOT)
 
 Work = Callable[[ModuleType], object]
 
@@ -43,18 +42,16 @@ Work = Callable[[ModuleType], object]
 def base_build(rev: str) -> ModuleType:
     """The kernels as they are at `rev`, built as module carousel_cpu_kernels_base."""
     tree = Path(tempfile.mkdtemp(prefix="carousel-kernel-ab-"))
-    archive = subprocess.run(["git", "archive", rev, CSRC], cwd=ROOT, check=True,
+    archive = subprocess.run(["git", "archive", rev, str(CSRC)], cwd=ROOT, check=True,
                              capture_output=True).stdout  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return cpu_kernels.build_variant(tree / CSRC, "carousel_cpu_kernels_base")
 
 
 def linear_work(dtype: torch.dtype, rows: int) -> Work:
-    gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype)
-               for _ in range(LAYERS) for n, k in SHAPES]  # fmt: skip
+    weights = layer_weights(dtype)
     packed = [cpu_kernels.pack_weight(w) for w in weights]
-    xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
+    xs = {k: torch.randn(rows, k).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
 
     def run(kernels: ModuleType) -> None:
         for w, p in zip(weights, packed, strict=True):
@@ -64,20 +61,13 @@ def linear_work(dtype: torch.dtype, rows: int) -> Work:
 
 
 def attention_work(dtype: torch.dtype, seqs: int, ctx: int = 72) -> Work:
-    heads, kv_heads, hd, block, num_blocks = 9, 3, 64, 16, 3000
-    gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(num_blocks, block, kv_heads, hd, generator=gen).to(dtype),
-               torch.randn(num_blocks, block, kv_heads, hd, generator=gen).to(dtype))
-              for _ in range(LAYERS)]  # fmt: skip
-    width = -(-ctx // block)
-    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
-    lens = torch.full((seqs,), ctx, dtype=torch.int64)
-    q = torch.randn(seqs, heads, hd, generator=gen).to(dtype)
+    caches, tables, lens, q = paged_decode(dtype, seqs, ctx, num_blocks=3000)
+    scale = q.shape[2] ** -0.5
     out = torch.empty_like(q)
 
     def run(kernels: ModuleType) -> None:
         for k, v in caches:
-            kernels.decode_attention(q, k, v, tables.contiguous(), lens, hd**-0.5, -1, out)
+            kernels.decode_attention(q, k, v, tables, lens, scale, -1, out)
 
     return run
 
@@ -137,10 +127,7 @@ def main() -> None:
                   f"{min(ratios):.2f}-{max(ratios):.2f} |", flush=True)  # fmt: skip
         print(f"\n# command: scripts/kernel_ab.py {' '.join(sys.argv[1:])}")
 
-    # NOTE: a thread that exits, as the engine's device thread (kernel_bench.py)
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
+    on_exiting_thread(run)
 
 
 if __name__ == "__main__":

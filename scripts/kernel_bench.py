@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,10 +37,43 @@ SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (INTERMEDIATE
           (HIDDEN, INTERMEDIATE)]  # fmt: skip
 
 
+def layer_weights(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every projection weight of the default model's 30 layers, random, in layer order."""
+    return [torch.randn(n, k).to(dtype) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
+
+
+def paged_decode(
+    dtype: torch.dtype, seqs: int, ctx: int, num_blocks: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode attention's inputs at the default model's heads (9 query, 3 K/V, 64 wide): 30
+    layers' K/V caches of `num_blocks` 16-token blocks, `seqs` block tables of `ctx`-token
+    contexts in scattered blocks, their lengths, and one query token a sequence."""
+    heads, kv_heads, hd, block = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    caches = [
+        (torch.randn(num_blocks, block, kv_heads, hd, generator=gen).to(dtype),
+         torch.randn(num_blocks, block, kv_heads, hd, generator=gen).to(dtype))
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+    width = -(-ctx // block)
+    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
+    lens = torch.full((seqs,), ctx, dtype=torch.int64)
+    q = torch.randn(seqs, heads, hd, generator=gen).to(dtype)
+    return caches, tables, lens, q
+
+
+def on_exiting_thread(fn: Callable[[], None]) -> None:
+    """`fn()` on a thread that exits after it, as the engine's device thread (an OpenMP pool
+    on the main thread of a script slows every later kernel, docs/benchmarks.md, issue 15)."""
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
 def linears(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     kernels = cpu_kernels.native()
     assert kernels is not None
-    weights = [torch.randn(n, k).to(dtype) * 0.02 for _ in range(LAYERS) for n, k in SHAPES]
+    weights = layer_weights(dtype)
     weights.append(torch.randn(VOCAB, HIDDEN).to(dtype) * 0.02)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     ours = [cpu_kernels.pack_weight(w) for w in weights]
@@ -67,17 +101,11 @@ def linears(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
 def attention(dtype: torch.dtype, repeats: int) -> None:
     kernels = cpu_kernels.native()
     assert kernels is not None
-    seqs, heads, kv_heads, hd, block, ctx, num_blocks = 64, 9, 3, 64, 16, 72, 2000
-    width = -(-ctx // block)
-    gen = torch.Generator().manual_seed(0)
-    caches = [
-        (torch.randn(num_blocks, block, kv_heads, hd, generator=gen).to(dtype),
-         torch.randn(num_blocks, block, kv_heads, hd, generator=gen).to(dtype))
-        for _ in range(LAYERS)
-    ]  # fmt: skip
-    tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
-    lens = torch.full((seqs,), ctx, dtype=torch.int64)
-    q = torch.randn(seqs, heads, hd, generator=gen).to(dtype)
+    seqs, ctx, num_blocks = 64, 72, 2000
+    caches, tables, lens, q = paged_decode(dtype, seqs, ctx, num_blocks)
+    _, heads, hd = q.shape
+    _, block, kv_heads, _ = caches[0][0].shape
+    width = tables.shape[1]
     out = torch.empty_like(q)
     flat = tables.reshape(-1)
     mask = (torch.arange(width * block)[None, :] < lens[:, None])[:, None, None, :]
@@ -120,11 +148,7 @@ def main() -> None:
             attention(dtype, args.repeats)
         print(f"\n# command: scripts/kernel_bench.py {' '.join(sys.argv[1:])}")
 
-    # NOTE: a thread that exits, as the engine's device thread (an OpenMP pool on the main
-    # thread of a script slows every later kernel, docs/benchmarks.md, issue 15)
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
+    on_exiting_thread(run)
 
 
 if __name__ == "__main__":
