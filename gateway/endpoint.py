@@ -35,17 +35,23 @@ class StreamFormat:
     """How the endpoint's stream is framed as Server-Sent Events.
 
     `event_lines`: each payload is preceded by `event: <its "type">` (the Responses API);
-    `done`: the stream ends with `data: [DONE]` (chat and completions).
+    `done`: the stream ends with `data: [DONE]` (chat and completions); `closing_events`: the
+    event types after which at most an in-band error follows (keep-alive pings stop there).
     """
 
     event_lines: bool = False
     done: bool = True
+    closing_events: frozenset[str] = frozenset()
 
 
 #: chat and completions: data-only events, then `data: [DONE]`
 OPENAI_CHUNKS = StreamFormat()
 #: the Responses API: `event: <type>` lines, no `[DONE]`
-TYPED_EVENTS = StreamFormat(event_lines=True, done=False)
+TYPED_EVENTS = StreamFormat(
+    event_lines=True,
+    done=False,
+    closing_events=frozenset({"response.completed", "response.incomplete", "response.failed"}),
+)
 
 
 @dataclass(frozen=True)

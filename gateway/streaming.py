@@ -80,12 +80,16 @@ class _Framer:
     def __init__(self, stream_format: StreamFormat) -> None:
         self.format = stream_format
         self.count = 0
+        #: the last payload framed was one of the format's `closing_events`
+        self.closing = False
 
     def frame(self, payload: str) -> bytes:
         self.count += 1
         if not self.format.event_lines:
             return sse_event(payload)
-        return sse_event(payload, str(json.loads(payload).get("type", "message")))
+        event = str(json.loads(payload).get("type", "message"))
+        self.closing = event in self.format.closing_events
+        return sse_event(payload, event)
 
     def error(self, exc: APIError) -> bytes:
         if not self.format.event_lines:
@@ -101,24 +105,41 @@ class _Framer:
         return sse_event(json.dumps(body), "error")
 
 
+def _nothing() -> None:
+    pass
+
+
 async def sse_frames(
-    payloads: AsyncIterator[str], on_end: OnEnd, stream_format: StreamFormat = OPENAI_CHUNKS
+    payloads: AsyncIterator[str],
+    on_end: OnEnd,
+    stream_format: StreamFormat = OPENAI_CHUNKS,
+    on_closing: Callable[[], None] = _nothing,
 ) -> AsyncIterator[bytes]:
-    """Frame `payloads`; `on_end(status, error)` is called once however the stream ends."""
+    """Frame `payloads`; `on_end(status, error)` is called once however the stream ends.
+
+    `on_closing()` is called before the frame that closes the stream is yielded (`[DONE]`, an
+    in-band error, a closing event), so that nothing goes out between it and the end of the
+    body while the payloads clean up."""
     status, error = 200, None
     framer = _Framer(stream_format)
     try:
         try:
             async for payload in payloads:
-                yield framer.frame(payload)
+                frame = framer.frame(payload)
+                if framer.closing:
+                    on_closing()
+                yield frame
         except APIError as exc:
             status, error = exc.status_code, exc.message
+            on_closing()
             yield framer.error(exc)
         except Exception as exc:  # never a traceback on the wire
             log.exception("stream_failed")
             status, error = 500, repr(exc)
+            on_closing()
             yield framer.error(server_error())
         if stream_format.done:
+            on_closing()
             yield DONE
     except BaseException:  # cancelled: the client went away mid-stream
         status, error = CLIENT_CLOSED, "client disconnected"
@@ -131,7 +152,7 @@ async def sse_frames(
 
 class SSEResponse(StreamingResponse):
     """A streaming 200 whose body is `payloads` framed as SSE; a `: ping` comment every
-    `ping_s` seconds while it is open (0: none)."""
+    `ping_s` seconds while it is open (0: none), never after the stream's closing frame."""
 
     media_type = "text/event-stream"
 
@@ -142,8 +163,9 @@ class SSEResponse(StreamingResponse):
         ping_s: float = 0.0,
         stream_format: StreamFormat = OPENAI_CHUNKS,
     ) -> None:
+        self._keep_alive = _KeepAlive()
         super().__init__(
-            sse_frames(payloads, on_end, stream_format),
+            sse_frames(payloads, on_end, stream_format, self._keep_alive.stop),
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
         self._payloads = payloads
@@ -155,12 +177,13 @@ class SSEResponse(StreamingResponse):
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
                 if self._ping_s > 0:
-                    send = _SerialSend(send)
-                    tasks.start_soon(_ping, send, self._ping_s)
+                    tasks.start_soon(self._keep_alive.pings, send, self._ping_s)
+                    send = self._keep_alive.serial(send)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": self.raw_headers})  # fmt: skip
                 async for frame in self.body_iterator:
                     await send({"type": "http.response.body", "body": frame, "more_body": True})
+                self._keep_alive.stop()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tasks.cancel_scope.cancel()  # the watcher and the pings
         finally:
@@ -179,23 +202,31 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
     scope.cancel()
 
 
-class _SerialSend:
-    """`send` shared by the frames and the pings: one message at a time, none after the last."""
+class _KeepAlive:
+    """`: ping` comments sharing `send` with the frames, one message at a time.
 
-    def __init__(self, send: Send) -> None:
-        self._send = send
+    `stop()` is called (synchronously, in the frames' task) before the closing frame is
+    yielded; a ping that takes the lock after that is dropped, and one that took it before
+    goes out ahead of the closing frame, which waits for the lock."""
+
+    def __init__(self) -> None:
         self._lock = anyio.Lock()
-        self._ended = False
+        self._stopped = False
 
-    async def __call__(self, message: Message) -> None:
-        async with self._lock:
-            if self._ended:
-                return
-            self._ended = message["type"] == "http.response.body" and not message["more_body"]
-            await self._send(message)
+    def stop(self) -> None:
+        self._stopped = True
 
+    def serial(self, send: Send) -> Send:
+        async def serial_send(message: Message) -> None:
+            async with self._lock:
+                await send(message)
 
-async def _ping(send: Send, every_s: float) -> None:
-    while True:
-        await anyio.sleep(every_s)
-        await send({"type": "http.response.body", "body": PING, "more_body": True})
+        return serial_send
+
+    async def pings(self, send: Send, every_s: float) -> None:
+        while not self._stopped:
+            await anyio.sleep(every_s)
+            async with self._lock:
+                if self._stopped:
+                    return
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
