@@ -16,7 +16,8 @@ inline __m256 sum8(const __m256* d) {
 // vectors per head row, the last one partial.
 template <typename T, int C>
 void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t n,
-                 int64_t h, const Shape& s, float* scratch, T* out) {
+                 int64_t h, bool /*first*/, bool /*last*/, const Shape& s, float* scratch,
+                 T* out) {
   const int64_t g = s.group, hd = s.head_dim, row = s.num_kv_heads * hd, hp = C * kLanes;
   const int64_t np = (n + kKeys - 1) / kKeys * kKeys;
   float* qf = scratch;             // [g][hp]
