@@ -5,8 +5,9 @@
 // walks its context one K/V head at a time. Scores: in groups of 16 keys, each group's K rows
 // widened to fp32 once, the scores of its 16 keys for a query head out of one transposing sum
 // (no horizontal reduction per key). Then the softmax. Then the values, key by key: each V
-// row widened once into registers and taken by all the query heads (up to 16 / C at a time)
-// whose sums stay in registers through the pass. The slots are listed once from the block
+// row widened once into registers and taken by all the query heads (up to 12 / C at a time)
+// whose sums stay in registers through the pass, summed in the order (and so to the bits) of
+// the earlier kernel that read a widened copy of each group. The slots are listed once from the block
 // table; rows are asked for ahead of use (blocks are scattered: the hardware prefetcher
 // cannot follow): the next group of K rows, the V row 16 keys on, and across the end of a
 // pass the first rows of the next one (V after K, the next head's K after V). fp32 math
@@ -148,15 +149,18 @@ void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
     total[j] = _mm512_reduce_add_ps(sum);
   }
   // out = the sum over keys of p * v / total, key by key: each V row widened once into
-  // registers and taken by up to J query heads at a time, their J x C sums held in registers
-  // (no widened copy of the rows); the row 16 keys on asked for, then the next pass's first
-  constexpr int J = C >= 16 ? 1 : 16 / C;
+  // registers and taken by up to J query heads at a time, whose sums stay in registers (no
+  // widened copy of the rows). Two sums per head, even and odd keys of each group of 16,
+  // folded at the group's end: the very order (and bits) of summing a widened group at a
+  // time. The row 16 keys on is asked for, and then the next pass's first.
+  constexpr int J = C >= 12 ? 1 : 12 / C;
   for (int64_t j0 = 0; j0 < g; j0 += J) {
     const int64_t jn = std::min<int64_t>(J, g - j0);
-    __m512 sum[J][C];
+    __m512 even[J][C], odd[J][C];
     for (int j = 0; j < J; ++j)
-      for (int c = 0; c < C; ++c) sum[j][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
+      for (int c = 0; c < C; ++c) even[j][c] = _mm512_setzero_ps();
+    // one key into the sums `into` (even or odd)
+    auto add = [&](__m512 (&into)[J][C], int64_t i) __attribute__((always_inline)) {
       if (j0 == 0)
         ask_rows(v_cache, offset, last ? nullptr : k_cache, offset + hd, slots, n, i + kKeys, 1,
                  row, bytes);
@@ -166,14 +170,25 @@ void attend_head(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       for (int j = 0; j < J; ++j) {
         if (j >= jn) break;
         const __m512 pj = _mm512_set1_ps(scores[(j0 + j) * np + i]);
-        for (int c = 0; c < C; ++c) sum[j][c] = _mm512_fmadd_ps(pj, v[c], sum[j][c]);
+        for (int c = 0; c < C; ++c) into[j][c] = _mm512_fmadd_ps(pj, v[c], into[j][c]);
       }
+    };
+    for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
+      const int64_t m = std::min(kKeys, n - i0);
+      for (int j = 0; j < J; ++j)
+        for (int c = 0; c < C; ++c) odd[j][c] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < m; k += 2) {
+        add(even, i0 + k);
+        if (k + 1 < m) add(odd, i0 + k + 1);
+      }
+      for (int j = 0; j < J; ++j)
+        for (int c = 0; c < C; ++c) even[j][c] = _mm512_add_ps(even[j][c], odd[j][c]);
     }
     for (int j = 0; j < J; ++j) {
       if (j >= jn) break;
       const __m512 inv = _mm512_set1_ps(1.0f / total[j0 + j]);
       for (int c = 0; c < C; ++c)
-        store(out + (j0 + j) * hd + c * kLanes, _mm512_mul_ps(sum[j][c], inv), mask[c]);
+        store(out + (j0 + j) * hd + c * kLanes, _mm512_mul_ps(even[j][c], inv), mask[c]);
     }
   }
 }
