@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from gateway.chunk_template import TextChunks
 from gateway.context import RequestContext
 from gateway.errors import invalid, unsupported
 from gateway.logprobs import chat_logprobs
@@ -271,6 +272,9 @@ async def _chunks(
         )
         return body.model_dump_json(exclude=None if include_usage else {"usage"})
 
+    contents = TextChunks(
+        lambda index, text: chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=text))])
+    )
     try:
         for i in range(request.n):
             yield chunk(
@@ -282,7 +286,11 @@ async def _chunks(
             if request.logprobs and output.logprobs:
                 logprobs = chat_logprobs(output.logprobs, runtime.token_text, num_top)
             finish_reason = output.finish_reason
-            if parsers is None:
+            if parsers is None and logprobs is None:
+                if output.text:
+                    yield contents(index, output.text)
+                deltas = []
+            elif parsers is None:
                 deltas = [DeltaMessage(content=output.text)] if output.text else []
             else:
                 parser = parsers[index]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from gateway.chunk_template import TextChunks
 from gateway.context import RequestContext
 from gateway.errors import invalid, unsupported
 from gateway.logprobs import completion_logprobs, text_length
@@ -179,6 +180,7 @@ async def _chunks(
         )
         return body.model_dump_json(exclude=None if include_usage else {"usage"})
 
+    texts = TextChunks(lambda index, text: chunk([CompletionChoice(index=index, text=text)]))
     try:
         for index, echo in enumerate(echoes):
             if echo:
@@ -192,8 +194,10 @@ async def _chunks(
                     output.logprobs, runtime.token_text, request.logprobs, offsets[index]
                 )
                 offsets[index] = text_length(logprobs)
-            if output.text or logprobs is not None:
+            if logprobs is not None:
                 yield chunk([CompletionChoice(index=index, text=output.text, logprobs=logprobs)])
+            elif output.text:
+                yield texts(index, output.text)
             if output.finished:
                 final = CompletionChoice(index=index, text="", finish_reason=output.finish_reason)
                 yield chunk([final])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import anyio
 import structlog
@@ -52,8 +52,8 @@ class PayloadStream(AsyncIterator[str]):
     def __aiter__(self) -> PayloadStream:
         return self
 
-    async def __anext__(self) -> str:
-        return await self._chunks.__anext__()
+    def __anext__(self) -> Awaitable[str]:  # NOTE: no coroutine of its own per chunk
+        return self._chunks.__anext__()
 
     async def aclose(self) -> None:
         try:

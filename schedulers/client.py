@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from schedulers.engine import Engine
-from schedulers.mailbox import mailbox_for
+from schedulers.mailbox import Inbox, mailbox_for
 from schedulers.output_processor import OutputProcessor
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
@@ -37,11 +37,13 @@ class RequestStream:
     ) -> None:
         self._engine = engine
         self._n = params.n
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queue: Inbox[RequestOutput] = Inbox()
         self._mailbox = mailbox_for(asyncio.get_running_loop())
         self._processors: dict[str, OutputProcessor] = {}
         self._closed = False
         self._prompt_of: dict[str, int] = {}
+        #: prompts with unfinished choices (one `finished` check per token would cost more)
+        self._open = 0
         ids = (
             [request_id]
             if len(prompts) == 1
@@ -54,6 +56,7 @@ class RequestStream:
                 self._prompt_of[engine_id] = index
                 engine.submit(engine_id, prompt, params, self._sink, priority=priority)
                 self._processors[engine_id] = OutputProcessor(tokenizer, prompt, params)
+                self._open += 1
         except BaseException:
             self.close()  # abort the prompts already submitted
             raise
@@ -64,7 +67,7 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
-        return self._closed or all(p.finished for p in self._processors.values())
+        return self._closed or self._open == 0
 
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._iterate()
@@ -75,7 +78,10 @@ class RequestStream:
             processor = self._processors.get(raw.request_id)
             if processor is None:  # NOTE: submit refused it; its error reached us anyway
                 continue
+            was_finished = processor.finished
             output, stop_hit = processor.process(raw)
+            if not was_finished and processor.finished:
+                self._open -= 1
             if stop_hit:
                 self._engine.stop_choice(raw.request_id, raw.index)
             if output is not None:

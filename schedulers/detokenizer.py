@@ -40,9 +40,13 @@ class IncrementalDetokenizer:
 
     `add_tokens` decodes only the tail window (prefix / read offsets, as in vLLM) and holds
     back text that ends in an incomplete UTF-8 character. Stop strings are searched in the
-    accumulated text; on a match the text is cut before the stop string and `stopped` is set.
-    `take` releases new text, holding back any tail that could still grow into a stop string
-    until the sequence is final.
+    text not yet released; on a match the text is cut before the stop string and `stopped`
+    is set. `take` releases new text, holding back any tail that could still grow into a
+    stop string until the sequence is final.
+
+    NOTE: only the unreleased text is kept and searched. No stop string can begin in text
+    already released: `take` holds back every tail that is the start of one. It runs on the
+    event loop once per token per sequence, so the path without stop strings does no search.
     """
 
     def __init__(
@@ -55,16 +59,17 @@ class IncrementalDetokenizer:
         self._decode_ids = fast_decode(tokenizer)
         self._skip_special = skip_special_tokens
         self._stop = tuple(s for s in stop if s)
+        self._longest_stop = max((len(s) for s in self._stop), default=0)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self.output_text = ""
+        #: decoded text not yet released by `take` (already cut at a stop string)
+        self._pending = ""
         self.stopped = False
-        self._emitted = 0
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:
-        """Append sampled tokens; extends `output_text` and checks stop strings."""
+        """Append sampled tokens; extends the pending text and checks stop strings."""
         if self.stopped:
             return
         self._ids.extend(token_ids)
@@ -81,38 +86,39 @@ class IncrementalDetokenizer:
 
     def take(self, final: bool = False) -> str:
         """New text since the last call; with `final`, everything left."""
-        end = len(self.output_text) if final or self.stopped else self._safe_end()
-        text = self.output_text[self._emitted : end]
-        self._emitted = max(self._emitted, end)
-        return text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._decode_ids(ids, self._skip_special)
+        text = self._pending
+        if final or self.stopped or not self._stop:
+            self._pending = ""
+            return text
+        end = self._safe_end(text)
+        self._pending = text[end:]
+        return text[:end]
 
     def _decode_delta(self, final: bool) -> str:
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not final):
+        ids, decode, skip = self._ids, self._decode_ids, self._skip_special
+        prefix = decode(ids[self._prefix_offset : self._read_offset], skip)
+        full = decode(ids[self._prefix_offset :], skip)
+        if len(full) <= len(prefix) or (not final and full.endswith(_REPLACEMENT)):
             return ""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._read_offset = len(ids)
         return full[len(prefix) :]
 
     def _append(self, delta: str) -> None:
-        longest = max((len(s) for s in self._stop), default=0)
-        search_from = max(0, len(self.output_text) - longest + 1)
-        self.output_text += delta
         if not self._stop:
+            self._pending += delta
             return
-        hits = [i for s in self._stop if (i := self.output_text.find(s, search_from)) >= 0]
+        # NOTE: a stop string that completes now ends in `delta`, so it starts no earlier
+        search_from = max(0, len(self._pending) - self._longest_stop + 1)
+        text = self._pending = self._pending + delta
+        hits = [i for s in self._stop if (i := text.find(s, search_from)) >= 0]
         if hits:
-            self.output_text = self.output_text[: min(hits)]
+            self._pending = text[: min(hits)]
             self.stopped = True
 
-    def _safe_end(self) -> int:
+    def _safe_end(self, text: str) -> int:
         """End of the text that cannot be the start of a stop string."""
-        text = self.output_text
-        for k in range(min(len(text), max((len(s) for s in self._stop), default=0)), 0, -1):
+        for k in range(min(len(text), self._longest_stop), 0, -1):
             tail = text[-k:]
             if any(s.startswith(tail) for s in self._stop):
                 return len(text) - k

@@ -11,7 +11,16 @@ import asyncio
 import threading
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Receiver(Protocol):
+    """Where a mailbox delivers: `put_nowait`, called on the loop."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
 
 _MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
     weakref.WeakKeyDictionary()
@@ -20,15 +29,16 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 class LoopMailbox:
-    """Thread-safe `post(queue, item)`; items reach `queue.put_nowait` on the loop, in order."""
+    """Thread-safe `post(receiver, item)`; items reach `receiver.put_nowait` on the loop, in
+    order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._items: deque[tuple[asyncio.Queue[Any], Any]] = deque()
+        self._items: deque[tuple[Receiver, Any]] = deque()
         self._lock = threading.Lock()
         self._scheduled = False
 
-    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
+    def post(self, queue: Receiver, item: Any) -> None:
         with self._lock:
             self._items.append((queue, item))
             if self._scheduled:
@@ -48,6 +58,37 @@ class LoopMailbox:
             self._scheduled = False
         for queue, item in items:
             queue.put_nowait(item)
+
+
+class Inbox(Generic[T]):
+    """A queue with one consumer task, for the loop's side of a mailbox: `put_nowait` and
+    `await get()`, on the loop. (An `asyncio.Queue` keeps waiter lists, a task count and an
+    Event for `join`; this runs once per token per stream on the event loop.)"""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: T) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self) -> T:
+        while not self._items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:  # NOTE: a cancelled get leaves no waiter behind
+                if self._waiter is waiter:
+                    self._waiter = None
+        return self._items.popleft()
 
 
 def mailbox_for(loop: asyncio.AbstractEventLoop) -> LoopMailbox:

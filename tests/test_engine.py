@@ -85,6 +85,19 @@ def test_stop_string_never_leaks_streamed_or_not() -> None:
     assert deltas[-1].finish_reason == "stop"
 
 
+def test_a_stop_string_ends_the_engines_sequence_too() -> None:
+    """The client's side finds the stop string; the engine must hear of it and free the
+    sequence's KV at once, not decode on to `max_tokens` (minutes here) for nobody."""
+    backend = SimBackend(time_scale=1.0)
+    with LLM(backend, "orca") as llm:
+        free = llm.generate([[9, 9]], SamplingParams(max_tokens=32, temperature=0.0))[0]
+        stop = free.choices[0].text[20:23]
+        params = SamplingParams(max_tokens=4000, temperature=0.0, stop=(stop,))
+        deltas = asyncio.run(stream_all(llm.engine, "s", [9, 9], params))
+        assert deltas[-1].finish_reason == "stop"
+        wait_until(lambda: llm.engine.num_running == 0 and all_blocks_free(llm.engine))
+
+
 def test_async_stream_closed_early_aborts_and_frees_kv() -> None:
     engine = Engine(SimBackend(time_scale=1.0, block_size=4), "orca")
     engine.start()

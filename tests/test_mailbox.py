@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
-from schedulers.mailbox import mailbox_for
+from schedulers.mailbox import Inbox, mailbox_for
 
 
 async def test_a_burst_from_another_thread_arrives_in_order_with_one_wakeup() -> None:
@@ -31,3 +32,20 @@ async def test_a_burst_from_another_thread_arrives_in_order_with_one_wakeup() ->
         loop.call_soon_threadsafe = original  # type: ignore[method-assign]
     assert got == [list(range(k, 300, 3)) for k in range(3)]
     assert wakeups == 1
+
+
+async def test_an_inbox_hands_items_over_in_order_and_survives_a_cancelled_get() -> None:
+    inbox: Inbox[int] = Inbox()
+    waiting = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    reader = asyncio.ensure_future(inbox.get())
+    await asyncio.sleep(0)
+    assert not reader.done()  # it waits for an item
+    inbox.put_nowait(1)
+    inbox.put_nowait(2)
+    assert await reader == 1
+    assert await inbox.get() == 2
+    assert inbox.empty()
