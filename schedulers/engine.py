@@ -23,6 +23,7 @@ from schedulers.backend import Backend, BackendDeadError
 from schedulers.base import AdmissionError, SchedulerConfig
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
+from schedulers.mailbox import held_wakeups
 from schedulers.outputs import IterationRecord, RequestOutput
 from schedulers.registry import create_scheduler
 from schedulers.sampling_params import SamplingParams
@@ -364,8 +365,9 @@ class Engine:
             for seq, sampled in self._sampled_seqs(batch, output.sampled)
             if (request := self._requests.get(seq.request_id)) is not None
         ]
-        for request, seq, sampled in emits:
-            self._emit(request, seq, [sampled], final=seq.is_finished)
+        with held_wakeups():  # NOTE: the consumers' loops wake to the whole iteration
+            for request, seq, sampled in emits:
+                self._emit(request, seq, [sampled], final=seq.is_finished)
 
     @staticmethod
     def _sampled_seqs(batch: Batch, sampled: dict[int, Any]) -> list[tuple[Sequence, Any]]:

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 
-from schedulers.mailbox import Inbox, mailbox_for
+from schedulers.mailbox import Inbox, held_wakeups, mailbox_for
 
 
 async def test_a_burst_from_another_thread_arrives_in_order_with_one_wakeup() -> None:
@@ -49,3 +49,33 @@ async def test_an_inbox_hands_items_over_in_order_and_survives_a_cancelled_get()
     assert await reader == 1
     assert await inbox.get() == 2
     assert inbox.empty()
+
+
+async def test_posts_in_a_held_block_wake_the_loop_once_when_it_ends() -> None:
+    loop = asyncio.get_running_loop()
+    box = mailbox_for(loop)
+    inbox: Inbox[int] = Inbox()
+    woke: list[int] = []
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args):  # type: ignore[no-untyped-def]
+        woke.append(len(box._items))  # the items queued when the wake-up went out
+        return original(callback, *args)
+
+    def burst() -> None:
+        with held_wakeups():
+            for i in range(5):
+                box.post(inbox, i)
+                with held_wakeups():  # nested: the outer block wakes
+                    box.post(inbox, 10 + i)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        thread = threading.Thread(target=burst)
+        thread.start()
+        thread.join()
+        got = [await inbox.get() for _ in range(10)]
+    finally:
+        loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+    assert woke == [10]  # one wake-up, after the whole burst was posted
+    assert got == [v for i in range(5) for v in (i, 10 + i)]
