@@ -35,6 +35,7 @@ from gateway.responses_convert import (
     to_chat,
 )
 from gateway.responses_stream import ResponseBuilder
+from gateway.streaming import event_type
 from gateway.tool_call_parser import ToolCallStreamParser
 from gateway.tool_calls import check_tools, resolve_tool_choice
 from schedulers.structured_output import GrammarSpec
@@ -256,6 +257,31 @@ def test_stream_events_are_the_sdks_types_in_order_and_rebuild_the_same_response
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     calls = [i for i in builder.response.output if i.type == "function_call"]
     assert deltas == "".join(c.arguments for c in calls)
+
+
+def test_every_events_type_is_read_off_its_json_as_parsing_reads_it() -> None:
+    """The framer reads a typed event's `type` off the string (streaming.event_type); every
+    event the builder emits, and payloads of other shapes, give what parsing gives."""
+    _, events = generate(request(tools=[WEATHER]), ["Checking. ", CALL_TEXT, " Done."])
+    failed = ResponseBuilder(response_skeleton(request(), "m"))
+    events += failed.start() + failed.feed(["partial"]) + failed.fail("stopped")
+    kinds = {e.type for e in events}
+    assert {"response.output_text.delta", "response.function_call_arguments.done",
+            "response.failed", "response.completed"} <= kinds  # fmt: skip
+    for event in events:
+        payload = event.model_dump_json()
+        assert event_type(payload) == event.type == json.loads(payload)["type"]
+    others = [
+        '{"type":"x"}',
+        '{"sequence_number":"7","type":"y"}',
+        '{"sequence_number":3}',
+        '{"sequence_number":1,"item":{"type":"inner"},"type":"outer"}',
+        '{"sequence_number":[{"n":1,"type":"inner"}],"type":"outer"}',
+        '{"sequence_number":2,"type":"a\\"b"}',
+        '{"sequence_number": 4, "type": "z"}',
+    ]
+    for payload in others:
+        assert event_type(payload) == json.loads(payload).get("type", "message")
 
 
 def test_a_failed_stream_ends_with_response_failed() -> None:
