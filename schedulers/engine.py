@@ -259,9 +259,10 @@ class Engine:
         try:
             while not self._stopping:
                 self._wake.clear()
-                self._drain_commands()
-                self._expire_waiting()
-                self._fail_grammar_errors()
+                with held_wakeups():  # NOTE: aborts, stops and expiries: one wake-up for all
+                    self._drain_commands()
+                    self._expire_waiting()
+                    self._fail_grammar_errors()
                 if not self.scheduler.has_work:
                     self._wake.wait()
                     continue
