@@ -42,7 +42,7 @@ class RequestStream:
         self._processors: dict[str, OutputProcessor] = {}
         self._closed = False
         self._prompt_of: dict[str, int] = {}
-        #: prompts with unfinished choices (one `finished` check per token would cost more)
+        #: choices not yet finished (one `finished` check per token would cost more)
         self._open = 0
         ids = (
             [request_id]
@@ -56,7 +56,7 @@ class RequestStream:
                 self._prompt_of[engine_id] = index
                 engine.submit(engine_id, prompt, params, self._sink, priority=priority)
                 self._processors[engine_id] = OutputProcessor(tokenizer, prompt, params)
-                self._open += 1
+                self._open += params.n
         except BaseException:
             self.close()  # abort the prompts already submitted
             raise
@@ -78,13 +78,12 @@ class RequestStream:
             processor = self._processors.get(raw.request_id)
             if processor is None:  # NOTE: submit refused it; its error reached us anyway
                 continue
-            was_finished = processor.finished
             output, stop_hit = processor.process(raw)
-            if not was_finished and processor.finished:
-                self._open -= 1
             if stop_hit:
                 self._engine.stop_choice(raw.request_id, raw.index)
             if output is not None:
+                if output.finished:  # NOTE: a choice's one final output (later ones are None)
+                    self._open -= 1
                 yield self._prompt_of[raw.request_id] * self._n + raw.index, output
 
     def close(self) -> None:

@@ -44,9 +44,9 @@ class LoopMailbox:
         self._lock = threading.Lock()
         self._scheduled = False
 
-    def post(self, queue: Receiver, item: Any) -> None:
+    def post(self, receiver: Receiver, item: Any) -> None:
         with self._lock:
-            self._items.append((queue, item))
+            self._items.append((receiver, item))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -69,8 +69,8 @@ class LoopMailbox:
             items = list(self._items)
             self._items.clear()
             self._scheduled = False
-        for queue, item in items:
-            queue.put_nowait(item)
+        for receiver, item in items:
+            receiver.put_nowait(item)
 
 
 class Inbox(Generic[T]):
