@@ -46,7 +46,7 @@ from bench_forward import decode_step_times  # noqa: E402
 from backends.torch.cpu_kernels import AMX_OFF, amx_from_row, native  # noqa: E402
 from backends.torch.device_thread import run_on_device_thread  # noqa: E402
 from backends.torch.packed import onednn_packs  # noqa: E402
-from backends.torch.runner import TorchBackend  # noqa: E402
+from backends.torch.runner import TorchBackend, cpu_has_native_bf16  # noqa: E402
 
 MATMUL_N = 2048
 NO_AMX = "no-amx"
@@ -81,6 +81,17 @@ def matmul_peak(dtype: torch.dtype, repeats: int = 5) -> float:
     return max(flops / best_time(kernel, repeats) for kernel in kernels)
 
 
+def arithmetic_peak(dtype: torch.dtype) -> float:
+    """The dtype's matmul peak; bf16 on a CPU without native bf16 products takes fp32's.
+
+    There every bf16 product is an fp32 FMA after widening (torch's own bf16 matmul emulates
+    it: under 0.5 GFLOP/s on the 2-core Zen 3 EPYC, against 140-160 in fp32, which made a
+    floor of seconds a step)."""
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return matmul_peak(torch.float32)
+    return matmul_peak(dtype)
+
+
 @dataclass(frozen=True)
 class Machine:
     bandwidth: float  # bytes/s
@@ -88,7 +99,7 @@ class Machine:
 
     @classmethod
     def measure(cls, dtypes: list[torch.dtype]) -> Machine:
-        return cls(read_bandwidth(), {d: matmul_peak(d) for d in dtypes})
+        return cls(read_bandwidth(), {d: arithmetic_peak(d) for d in dtypes})
 
     def best(self, other: Machine) -> Machine:
         peak = {d: max(p, other.peak[d]) for d, p in self.peak.items()}
@@ -196,6 +207,8 @@ def main() -> None:
 
     print(f"read bandwidth {machine.bandwidth / 1e9:.1f} GB/s; matmul peak "
           + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in machine.peak.items()))  # fmt: skip
+    if torch.bfloat16 in dtypes and not cpu_has_native_bf16():
+        print("# no native bf16 products on this CPU: bf16's peak is fp32's (arithmetic_peak)")
     for dtype in dtypes:
         params, nbytes = stats[dtype]
         print(f"{dtype}: {params / 1e6:.1f} M params, {nbytes / 1e6:.0f} MB of weights")

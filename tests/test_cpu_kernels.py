@@ -57,15 +57,19 @@ def test_the_build_takes_the_best_instruction_set_the_cpu_has(
         monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: set(flags))
         assert cpu_kernels.isa() == isa
         assert flag in cpu_kernels.build_flags()
-        if sys.platform == "linux" and isa.startswith("avx512"):
+        if sys.platform == "linux":
             assert cpu_kernels.unavailable_reason() in (None, NO_COMPILER)
-    # AVX2 alone builds only when asked for
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: set(avx2))
-    if sys.platform == "linux":
-        assert "CAROUSEL_CPU_KERNELS=avx2" in str(cpu_kernels.unavailable_reason())
-        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, cpu_kernels.AVX2_OPT_IN)
-        assert cpu_kernels.unavailable_reason() in (None, NO_COMPILER)
-        monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+    # the switch turns any build off, or asks for the AVX2 one on any CPU that can run it
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert cpu_kernels.unavailable_reason() == f"{cpu_kernels.ENV_SWITCH}=0"
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, cpu_kernels.AVX2_ONLY)
+    for flags in (amx, avx512, avx2):
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: set(flags))
+        assert cpu_kernels.isa() == "avx2"
+        assert "-mavx512f" not in cpu_kernels.build_flags()
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2 - {"fma"})
+    assert cpu_kernels.isa() is None
+    monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
     # AVX-512 without BF16 is built as AVX2; without F16C, nothing
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: amx - {"avx512_bf16"})
     assert cpu_kernels.isa() == "avx2"
@@ -121,14 +125,13 @@ print("avx2 ok")
 """
 
 
-def test_the_avx2_build_computes_what_torch_does_where_only_avx2_runs() -> None:
-    """On an AVX2-only CPU, with the opt-in: linear, gate/up, attention, norm and argmax."""
-    if cpu_kernels.isa() != "avx2" or cpu_kernels.unavailable_reason() not in (
-        None,
-        f"AVX2 only, no AVX-512 BF16 ({cpu_kernels.ENV_SWITCH}=avx2 builds the AVX2 kernels)",
-    ):
-        pytest.skip("not an AVX2-only CPU with a compiler")
-    env = {**os.environ, cpu_kernels.ENV_SWITCH: cpu_kernels.AVX2_OPT_IN}
+def test_the_avx2_build_computes_what_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear, gate/up, attention, norm and argmax of the AVX2 build: the default on an
+    AVX2-only CPU, asked for (`CAROUSEL_CPU_KERNELS=avx2`) on an AVX-512 one."""
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, cpu_kernels.AVX2_ONLY)
+    if cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(f"no AVX2 build here: {cpu_kernels.unavailable_reason()}")
+    env = {**os.environ, cpu_kernels.ENV_SWITCH: cpu_kernels.AVX2_ONLY}
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
         [sys.executable, "-c", AVX2_CHECK], env=env, cwd=root, timeout=900,

@@ -4,9 +4,10 @@ Each source is written for AVX-512 with BF16 and has an AVX2 implementation (csr
 CPUs without AVX-512: AMD Zen 2 and 3, Intel Haswell to Comet Lake) over the same packed
 layouts; the build takes the CPU's best instruction set (`isa()`). With AVX2, bf16 weights are
 widened to fp32 in registers (no native bf16 products) and `linear` works a tile in sub-tiles
-of 16 columns (16 ymm registers). The AVX2 build is opt-in (`CAROUSEL_CPU_KERNELS=avx2`): on the
-2-core Zen 3 EPYC, fp32, the bare decode step was 1.3-2.2x torch's kernels at 1-8 sequences but
-0.74-0.89x at 32-64 (docs/benchmarks.md, issue 15, ninth pass).
+of 16 columns (16 ymm registers), in 16 KB chunks of K from two rows up. On the 2-core Zen 3
+EPYC, fp32, the bare decode step is 1.4-2.3x torch's kernels at 1-64 sequences, bf16 2.0-5.9x
+(docs/benchmarks.md, issue 15, fifteenth pass); until then the AVX2 build was opt-in (it lost
+at 32-64 sequences, ninth pass).
 
 Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
 
@@ -34,13 +35,15 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
   decode step drops 7-11% with them.
 
 They are built with torch's C++ extension loader (g++ and ninja) into Carousel's cache dir
-(`cpu_kernels/<digest of the sources, flags, torch and Python>/`), about 20-40 s the first time,
-under an flock (a build killed half-way leaves no lock behind); later processes import the built
-module directly, in well under a second. Where they cannot run (neither AVX-512 with BF16 nor
-AVX2 with FMA and F16C, no compiler, a failed build, or `CAROUSEL_CPU_KERNELS=0`, an AVX2-only
-CPU without the opt-in `CAROUSEL_CPU_KERNELS=avx2`), `native()` returns None, the reason is
-logged once, and callers keep torch's own kernels. `cpu_kernels_ready` logs the instruction set
-built and whether AMX is used.
+(`cpu_kernels/<digest of the sources, flags, torch and Python>/`) the first time (2-3 minutes on
+2 cores), under an flock (a build killed half-way leaves no lock behind); later processes import
+the built module directly, in well under a second. Where they cannot run (neither AVX-512 with
+BF16 nor AVX2 with FMA and F16C, no compiler, a failed build, or `CAROUSEL_CPU_KERNELS=0`),
+`native()` returns None, the reason is logged once, and callers keep torch's own kernels.
+`cpu_kernels_ready` logs the instruction set built and whether AMX is used.
+`CAROUSEL_CPU_KERNELS=avx2` builds the AVX2 implementation on any CPU with AVX2, FMA and F16C,
+AVX-512 ones included: to compare the two builds, and so that the suite checks the AVX2 one
+wherever it runs (tests/test_cpu_kernels.py).
 
 `build_variant(csrc, name)` builds another copy of csrc/ (another commit's) under its own
 module name, to time beside `native()` in one process: scripts/kernel_ab.py.
@@ -109,7 +112,9 @@ ENV_SWITCH = "CAROUSEL_CPU_KERNELS"
 SWITCHED_OFF = ("0", "false", "no", "off")  # the values that turn a switch below off
 AMX_SWITCH = "CAROUSEL_AMX"
 AMX_OFF = 2**62  # set_amx_min_rows figure that no batch reaches
-AVX2_OPT_IN = "avx2"  # the switch's value that builds the AVX2 kernels on an AVX2-only CPU
+#: the switch's value that builds the AVX2 kernels even on a CPU with AVX-512: to time them
+#: beside the AVX-512 build, and so that the test suite checks them on any AVX2 CPU
+AVX2_ONLY = "avx2"
 
 _lock = threading.Lock()
 _loaded: tuple[ModuleType | None] | None = None  # (module or None) once tried
@@ -127,11 +132,17 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def _switch() -> str:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower()
+
+
 def isa() -> str | None:
-    """The best instruction set of `ISAS` this CPU has (None: neither)."""
+    """The best instruction set of `ISAS` this CPU has (None: none of them); only AVX2 where
+    `CAROUSEL_CPU_KERNELS=avx2` asks for it."""
     have = cpu_flags()
-    for name, (needs, _) in ISAS.items():
-        if all(flag in have for flag in needs):
+    names = [AVX2_ONLY] if _switch() == AVX2_ONLY else list(ISAS)
+    for name in names:
+        if all(flag in have for flag in ISAS[name][0]):
             return name
     return None
 
@@ -146,19 +157,13 @@ def build_flags() -> list[str]:
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be built here, or None where they can be tried."""
-    switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
-    if switch in SWITCHED_OFF:
+    if _switch() in SWITCHED_OFF:
         return f"{ENV_SWITCH}=0"
     if sys.platform != "linux":
         return f"built for Linux only, not {sys.platform}"
     if isa() is None:
         missing = [f for f in ISAS["avx2"][0] if f not in cpu_flags()]
         return f"this CPU lacks {', '.join(missing)}"
-    if isa() == "avx2" and switch != AVX2_OPT_IN:
-        # NOTE: opt-in for now: on the 2-core Zen 3 EPYC (fp32) the AVX2 build is 1.3-2.2x
-        # torch's kernels at 1-8 sequences but 0.74-0.89x at 32-64 (docs/benchmarks.md, issue
-        # 15, ninth pass)
-        return f"AVX2 only, no AVX-512 BF16 ({ENV_SWITCH}={AVX2_OPT_IN} builds the AVX2 kernels)"
     if not any(shutil.which(c) for c in ("c++", "g++")):
         return "no C++ compiler (c++ or g++) on PATH"
     return None
@@ -275,7 +280,7 @@ def _built(build_dir: Path, csrc: Path, name: str) -> ModuleType:
         built = build_dir / f"{name}.so"
         if built.exists():
             return _import(built, name)
-        log.info("cpu_kernels_building", build_dir=str(build_dir), note="about 20-40 s")
+        log.info("cpu_kernels_building", build_dir=str(build_dir), note="2-3 min on 2 cores, once")
         (build_dir / "lock").unlink(missing_ok=True)  # torch's, from a build that died
         return _compile(build_dir, csrc, name)
 
