@@ -94,15 +94,16 @@ inline void store_row(const __m512 (&acc)[4], const float* bias, T* y, int64_t c
 // tile's first column. The sums start from zero at k0 = 0, else from `partial` (R rows of
 // kTileCols fp32); over the tile's last K values they go through the epilogue to y, else
 // back to `partial`. The sums keep every product's order, so a tile taken in K chunks gives
-// the very bits of one taken whole. Weights asked for ahead of use: with next = 0 (the pass
-// that streams the chunk) its own lines a few K steps on; else the next chunk's lines, `next`
-// elements on from each K step, which then stream in while this and the later passes compute
-// from L1.
-template <Epilogue E, typename T, int R>
+// the very bits of one taken whole. Weights asked for ahead of use: with L = kOwnLines its own
+// lines a few K steps on; with L = 0 none (the hardware prefetcher's stream alone); else L
+// lines a K step from `ahead` on, a share of the next chunk's, which then streams in while
+// this pass computes.
+constexpr int kOwnLines = -1;
+
+template <Epilogue E, typename T, int R, int L>
 void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* partial,
-          const float* bias, T* y, int64_t N, int64_t cols, int64_t next) {
+          const float* bias, T* y, int64_t N, int64_t cols, const char* ahead) {
   using Tr = Traits<T>;
-  constexpr int64_t kLines = kTileCols * Tr::kStep * sizeof(T) / 64;  // per K step
   __m512 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int j = 0; j < 4; ++j)
@@ -110,11 +111,11 @@ void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* part
           k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + m * kTileCols + kLanes * j);
   for (int64_t k = k0; k < k1; k += Tr::kStep) {
     const T* wk = w + k * kTileCols;
-    if (next == 0) {
+    if constexpr (L == kOwnLines) {
       _mm_prefetch(reinterpret_cast<const char*>(wk + 8 * kTileCols * Tr::kStep), _MM_HINT_T0);
-    } else {
-      const char* n = reinterpret_cast<const char*>(wk + next);
-      for (int64_t l = 0; l < kLines; ++l) _mm_prefetch(n + 64 * l, _MM_HINT_T0);
+    } else if constexpr (L > 0) {
+      for (int l = 0; l < L; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      ahead += 64 * L;
     }
     __m512i wv[4];
     Tr::load(wk, wv);
@@ -131,46 +132,96 @@ void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* part
   }
 }
 
-// K values per chunk of an fp32 tile that 7 to kChunkedRows rows share: 16 KB of weights.
+// f(rows, lines) with both as compile-time constants (rows 1..kRows, lines kOwnLines, 0, 1,
+// 2 or 4)
+template <typename F>
+void rows_lines(int64_t rows, int64_t lines, F&& f) {
+  auto with_lines = [&](auto r) {
+    switch (lines) {
+      case 4: f(r, std::integral_constant<int, 4>{}); break;
+      case 2: f(r, std::integral_constant<int, 2>{}); break;
+      case 1: f(r, std::integral_constant<int, 1>{}); break;
+      case 0: f(r, std::integral_constant<int, 0>{}); break;
+      default: f(r, std::integral_constant<int, kOwnLines>{}); break;
+    }
+  };
+  switch (rows) {
+    case 6: with_lines(std::integral_constant<int, 6>{}); break;
+    case 5: with_lines(std::integral_constant<int, 5>{}); break;
+    case 4: with_lines(std::integral_constant<int, 4>{}); break;
+    case 3: with_lines(std::integral_constant<int, 3>{}); break;
+    case 2: with_lines(std::integral_constant<int, 2>{}); break;
+    default: with_lines(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// How a tile's weights are asked for ahead of use. The hardware prefetchers differ by vendor,
+// and so does what pays (all linears of the default model, interleaved in one process; issue
+// 15, sixteenth pass):
+// - Intel (the AMX Xeon, where bf16 takes AMX tiles and this path is fp32's): a pass that
+//   streams asks for its own lines 8 K steps on; of a chunked tile, the second pass asks for
+//   the whole next chunk (twelfth pass: 1.09-1.23x whole passes at 8-32 rows; spreading it
+//   over more passes no better).
+// - AMD (Zen 4): no request of a streaming pass's own lines, the hardware's stream alone:
+//   1.43x at 1 row and 1.23x at 4 in fp32, 1.10-1.26x at 1-32 rows in bf16. Of a chunked tile,
+//   the next chunk (or the next tile's first) asked for a share a pass from the first pass
+//   on, over up to four passes: 1.12x at 8 rows, 1.28x at 24, 1.18x at 32 (fp32).
+struct StreamPlan {
+  bool own_lines;        // a streaming pass asks for its own lines ahead
+  int64_t first_asking;  // the first pass of a chunk that asks for the next one
+  int64_t most_asking;   // the most passes that share the asking (1, 2 or 4)
+  bool across_tiles;     // a tile's last chunk asks for the next tile's first
+};
+
+const StreamPlan& stream_plan() {
+  static const StreamPlan plan = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? StreamPlan{false, 0, 4, true} : StreamPlan{true, 1, 1, false};
+  }();
+  return plan;
+}
+
+// K values per chunk of a tile that several passes of rows share: 16 KB of weights.
 // Taken whole, a tile's first pass of rows streams it from memory at memory speed, and the
-// later passes re-read it from L2 at compute speed, one after the other; in chunks, the second
-// pass asks for the next chunk while it computes (`tile`'s next), and the stream overlaps the later
-// passes. All SmolLM2 projections, fp32, interleaved in one process: 1.18x at 8 and 13 rows,
-// 1.13x at 24, 1.09x at 32, even at 64 and 0.92x at 128 (the partial sums of that many rows
-// no longer fit L1 beside the chunk), so more rows keep whole passes. bf16 by vdpbf16ps
-// (CPUs without AMX) keeps them too: 0.93-0.95x at 8 rows, 1.04-1.08x at 13-32 (issue 15,
-// twelfth pass).
+// later passes re-read it from L2 at compute speed, one after the other; in chunks, passes
+// ask for the next chunk while they compute (`tile`'s ahead), and the stream overlaps them.
+// fp32, interleaved in one process: 1.09-1.23x whole passes at 8-32 rows (twelfth pass), even
+// at 64 and 0.92x at 128 (the partial sums of that many rows no longer fit L1 beside the
+// chunk), so more rows keep whole passes. bf16 by vdpbf16ps keeps them too: 0.93-0.95x at 8
+// rows, 1.04-1.08x at 13-32 on the Xeon (twelfth pass); on Zen 4, in 4-16 KB chunks, 0.99-1.07x
+// at 8 rows and 0.83-1.07x at 32 against whole passes (sixteenth pass).
+constexpr int64_t kChunkBytes = 16384;
 template <typename T>
-constexpr int64_t kChunk = 16384 / (kTileCols * sizeof(T));
+constexpr int64_t kChunk = kChunkBytes / (kTileCols * sizeof(T));
 constexpr int64_t kChunkedRows = 32;
 
 template <Epilogue E, typename T>
 void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y,
                   int64_t N, int64_t cols) {
+  constexpr int64_t kLines = kTileCols * Traits<T>::kStep * sizeof(T) / 64;  // per K step
+  const StreamPlan& plan = stream_plan();
   thread_local std::vector<float> partial;
   const bool chunked = std::is_same_v<T, float> && M > kRows && M <= kChunkedRows;
   const int64_t chunk = chunked ? kChunk<T> : K;
   partial.resize(M * kTileCols);  // once per thread and size
+  const int64_t passes = (M + kRows - 1) / kRows;
+  const int64_t could = std::min(plan.most_asking, passes - plan.first_asking);
+  const int64_t asking = !chunked ? 0 : could >= 4 ? 4 : could >= 2 ? 2 : 1;
+  const int64_t streaming = plan.own_lines ? kOwnLines : 0;  // what a pass that asks none does
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
-    // the pass of rows from m: the second one (m = kRows) asks for the next chunk
-    auto ahead = [&](int64_t m) -> int64_t {
-      return m == kRows && k1 < K ? (k1 - k0) * kTileCols : 0;
-    };
-    int64_t m = 0;
-    for (; m + kRows <= M; m += kRows)
-      tile<E, T, kRows>(x + m * K, K, k0, k1, w, partial.data() + m * kTileCols, bias, y + m * N,
-                        N, cols, ahead(m));
-    const T* xm = x + m * K;
-    float* pm = partial.data() + m * kTileCols;
-    T* ym = y + m * N;
-    switch (M - m) {
-      case 5: tile<E, T, 5>(xm, K, k0, k1, w, pm, bias, ym, N, cols, ahead(m)); break;
-      case 4: tile<E, T, 4>(xm, K, k0, k1, w, pm, bias, ym, N, cols, ahead(m)); break;
-      case 3: tile<E, T, 3>(xm, K, k0, k1, w, pm, bias, ym, N, cols, ahead(m)); break;
-      case 2: tile<E, T, 2>(xm, K, k0, k1, w, pm, bias, ym, N, cols, ahead(m)); break;
-      case 1: tile<E, T, 1>(xm, K, k0, k1, w, pm, bias, ym, N, cols, ahead(m)); break;
-      default: break;
+    // the next chunk: this tile's, or the next tile's first (a thread takes its run in order)
+    const bool ask = asking > 0 && (k1 < K || plan.across_tiles);
+    const char* next = reinterpret_cast<const char*>(w + k1 * kTileCols);
+    for (int64_t m = 0, p = 0; m < M; m += kRows, ++p) {
+      const int64_t share = p - plan.first_asking;  // of the next chunk, in 1 / asking
+      const bool asks = ask && share >= 0 && share < asking;
+      rows_lines(std::min<int64_t>(kRows, M - m), asks ? kLines / asking : streaming,
+                 [&](auto r, auto l) {
+                   tile<E, T, decltype(r)::value, decltype(l)::value>(
+                       x + m * K, K, k0, k1, w, partial.data() + m * kTileCols, bias, y + m * N,
+                       N, cols, next + share * (kChunkBytes / asking));
+                 });
     }
   }
 }
