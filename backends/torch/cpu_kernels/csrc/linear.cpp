@@ -220,7 +220,7 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
                  [&](auto r, auto l) {
                    tile<E, T, decltype(r)::value, decltype(l)::value>(
                        x + m * K, K, k0, k1, w, partial.data() + m * kTileCols, bias, y + m * N,
-                       N, cols, next + share * (kChunkBytes / asking));
+                       N, cols, asks ? next + share * (kChunkBytes / asking) : nullptr);
                  });
     }
   }
