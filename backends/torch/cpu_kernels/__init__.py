@@ -75,6 +75,7 @@ MODULE = "carousel_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = (
     "kernels.h",
+    "shapes.h",
     "simd.h",
     "tasks.h",
     "amx.h",
@@ -229,10 +230,12 @@ def amx_from_row(module: ModuleType, rows: int) -> Iterator[None]:
 
 
 def _digest(csrc: Path = CSRC) -> str:
-    """What the built module depends on: the sources, the flags, torch and Python."""
+    """What the built module depends on: the sources, the flags, torch and Python (a header
+    that another commit's csrc/ lacks, `build_variant`'s, counts as absent)."""
     digest = hashlib.sha256()
     for name in [*SOURCES, *HEADERS]:
-        digest.update(name.encode() + b"\0" + (csrc / name).read_bytes())
+        path = csrc / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"\1"))
     digest.update(" ".join(build_flags()).encode())
     digest.update(f"{torch.__version__} {sys.version}".encode())
     return digest.hexdigest()[:16]

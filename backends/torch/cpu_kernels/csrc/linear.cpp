@@ -6,8 +6,8 @@
 //   fp32: [N / 64][K][64]
 // For every K step the tile's 64 weights are multiplied with up to kRows rows of x, broadcast
 // one element (bf16: one pair) at a time, into 4 x kRows fp32 accumulators: no horizontal
-// reductions. More rows than kRows re-read the tile in further passes: fp32 up to kChunkedRows
-// rows from L1, 16 KB chunk by chunk; otherwise from L2.
+// reductions. More rows than kRows re-read the tile in further passes: on Intel fp32 up to
+// kChunkedRows rows from L1, 16 KB chunk by chunk; otherwise from L2 (stream_plan()).
 //
 // linear_silu_mul: the MLP's gate and up projections and its activation in one pass. Its
 // weight interleaves them, 32 gate rows then the same 32 up rows per tile (pack_gate_up), so
@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "shapes.h"
 #include "kernels.h"
 #include "simd.h"
 #include "tasks.h"
@@ -96,10 +97,8 @@ inline void store_row(const __m512 (&acc)[4], const float* bias, T* y, int64_t c
 // back to `partial`. The sums keep every product's order, so a tile taken in K chunks gives
 // the very bits of one taken whole. Weights asked for ahead of use: with L = kOwnLines its own
 // lines a few K steps on; with L = 0 none (the hardware prefetcher's stream alone); else L
-// lines a K step from `ahead` on, a share of the next chunk's, which then streams in while
-// this pass computes.
-constexpr int kOwnLines = -1;
-
+// lines a K step from `ahead` on, the next chunk's, which then streams in while this pass
+// computes.
 template <Epilogue E, typename T, int R, int L>
 void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* partial,
           const float* bias, T* y, int64_t N, int64_t cols, const char* ahead) {
@@ -132,64 +131,40 @@ void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* part
   }
 }
 
-// f(rows, lines) with both as compile-time constants (rows 1..kRows, lines kOwnLines, 0, 1,
-// 2 or 4)
-template <typename F>
-void rows_lines(int64_t rows, int64_t lines, F&& f) {
-  auto with_lines = [&](auto r) {
-    switch (lines) {
-      case 4: f(r, std::integral_constant<int, 4>{}); break;
-      case 2: f(r, std::integral_constant<int, 2>{}); break;
-      case 1: f(r, std::integral_constant<int, 1>{}); break;
-      case 0: f(r, std::integral_constant<int, 0>{}); break;
-      default: f(r, std::integral_constant<int, kOwnLines>{}); break;
-    }
-  };
-  switch (rows) {
-    case 6: with_lines(std::integral_constant<int, 6>{}); break;
-    case 5: with_lines(std::integral_constant<int, 5>{}); break;
-    case 4: with_lines(std::integral_constant<int, 4>{}); break;
-    case 3: with_lines(std::integral_constant<int, 3>{}); break;
-    case 2: with_lines(std::integral_constant<int, 2>{}); break;
-    default: with_lines(std::integral_constant<int, 1>{}); break;
-  }
-}
-
-// How a tile's weights are asked for ahead of use. The hardware prefetchers differ by vendor,
-// and so does what pays (all linears of the default model, interleaved in one process; issue
-// 15, sixteenth pass):
+// How a tile's weights are asked for ahead of use, and whether fp32 tiles of a few passes go in
+// K chunks. The hardware prefetchers differ by vendor, and so does what pays (all linears of
+// the default model, interleaved in one process; issue 15, twelfth and seventeenth passes):
 // - Intel (the AMX Xeon, where bf16 takes AMX tiles and this path is fp32's): a pass that
-//   streams asks for its own lines 8 K steps on; of a chunked tile, the second pass asks for
-//   the whole next chunk (twelfth pass: 1.09-1.23x whole passes at 8-32 rows; spreading it
-//   over more passes no better).
-// - AMD (Zen 4): no request of a streaming pass's own lines, the hardware's stream alone:
-//   1.43x at 1 row and 1.23x at 4 in fp32, 1.10-1.26x at 1-32 rows in bf16. Of a chunked tile,
-//   the next chunk (or the next tile's first) asked for a share a pass from the first pass
-//   on, over up to four passes: 1.12x at 8 rows, 1.28x at 24, 1.18x at 32 (fp32).
+//   streams asks for its own lines 8 K steps on; fp32 tiles of kRows + 1 to kChunkedRows rows
+//   go in 16 KB chunks of K, the second pass asking for the whole next chunk (1.09-1.23x whole
+//   passes at 8-32 rows; spreading the asking over more passes no better).
+// - AMD (Zen 4): no request of a streaming pass's own lines, the hardware's stream alone (1.43x
+//   at 1 row and 1.23x at 4 in fp32, 1.10-1.26x at 1-32 rows in bf16), and whole passes: the
+//   first streams the tile from memory, the others re-read it from L2 (fp32 1.03-1.32x the
+//   chunks at 7-32 rows, even with each chunk's passes sharing the asking for the next one;
+//   asking for the next tile during the passes from L2 0.78-1.09x).
 struct StreamPlan {
-  bool own_lines;        // a streaming pass asks for its own lines ahead
-  int64_t first_asking;  // the first pass of a chunk that asks for the next one
-  int64_t most_asking;   // the most passes that share the asking (1, 2 or 4)
-  bool across_tiles;     // a tile's last chunk asks for the next tile's first
+  bool own_lines;  // a streaming pass asks for its own lines ahead
+  bool chunked;    // fp32 tiles of kRows + 1 to kChunkedRows rows go in K chunks
 };
 
 const StreamPlan& stream_plan() {
   static const StreamPlan plan = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? StreamPlan{false, 0, 4, true} : StreamPlan{true, 1, 1, false};
+    return __builtin_cpu_is("amd") ? StreamPlan{false, false} : StreamPlan{true, true};
   }();
   return plan;
 }
 
 // K values per chunk of a tile that several passes of rows share: 16 KB of weights.
 // Taken whole, a tile's first pass of rows streams it from memory at memory speed, and the
-// later passes re-read it from L2 at compute speed, one after the other; in chunks, passes
-// ask for the next chunk while they compute (`tile`'s ahead), and the stream overlaps them.
-// fp32, interleaved in one process: 1.09-1.23x whole passes at 8-32 rows (twelfth pass), even
-// at 64 and 0.92x at 128 (the partial sums of that many rows no longer fit L1 beside the
-// chunk), so more rows keep whole passes. bf16 by vdpbf16ps keeps them too: 0.93-0.95x at 8
-// rows, 1.04-1.08x at 13-32 on the Xeon (twelfth pass); on Zen 4, in 4-16 KB chunks, 0.99-1.07x
-// at 8 rows and 0.83-1.07x at 32 against whole passes (sixteenth pass).
+// later passes re-read it from L2 at compute speed, one after the other; in chunks, the second
+// pass asks for the next chunk while the passes compute (`tile`'s ahead), and the stream
+// overlaps them. fp32 on the Xeon, interleaved in one process: 1.09-1.23x whole passes at 8-32
+// rows (twelfth pass), even at 64 and 0.92x at 128 (the partial sums of that many rows no
+// longer fit L1 beside the chunk), so more rows keep whole passes. bf16 by vdpbf16ps keeps
+// them too: 0.93-0.95x at 8 rows, 1.04-1.08x at 13-32 on the Xeon (twelfth pass); on Zen 4 no
+// dtype gains by chunks (sixteenth and seventeenth passes).
 constexpr int64_t kChunkBytes = 16384;
 template <typename T>
 constexpr int64_t kChunk = kChunkBytes / (kTileCols * sizeof(T));
@@ -201,26 +176,22 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
   constexpr int64_t kLines = kTileCols * Traits<T>::kStep * sizeof(T) / 64;  // per K step
   const StreamPlan& plan = stream_plan();
   thread_local std::vector<float> partial;
-  const bool chunked = std::is_same_v<T, float> && M > kRows && M <= kChunkedRows;
+  const bool chunked =
+      plan.chunked && std::is_same_v<T, float> && M > kRows && M <= kChunkedRows;
   const int64_t chunk = chunked ? kChunk<T> : K;
   partial.resize(M * kTileCols);  // once per thread and size
-  const int64_t passes = (M + kRows - 1) / kRows;
-  const int64_t could = std::min(plan.most_asking, passes - plan.first_asking);
-  const int64_t asking = !chunked ? 0 : could >= 4 ? 4 : could >= 2 ? 2 : 1;
   const int64_t streaming = plan.own_lines ? kOwnLines : 0;  // what a pass that asks none does
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
-    // the next chunk: this tile's, or the next tile's first (a thread takes its run in order)
-    const bool ask = asking > 0 && (k1 < K || plan.across_tiles);
+    const bool ask = chunked && k1 < K;  // the second pass asks for this tile's next chunk
     const char* next = reinterpret_cast<const char*>(w + k1 * kTileCols);
     for (int64_t m = 0, p = 0; m < M; m += kRows, ++p) {
-      const int64_t share = p - plan.first_asking;  // of the next chunk, in 1 / asking
-      const bool asks = ask && share >= 0 && share < asking;
-      rows_lines(std::min<int64_t>(kRows, M - m), asks ? kLines / asking : streaming,
+      const bool asks = ask && p == 1;
+      rows_lines(std::min<int64_t>(kRows, M - m), asks ? kLines : streaming,
                  [&](auto r, auto l) {
                    tile<E, T, decltype(r)::value, decltype(l)::value>(
                        x + m * K, K, k0, k1, w, partial.data() + m * kTileCols, bias, y + m * N,
-                       N, cols, asks ? next + share * (kChunkBytes / asking) : nullptr);
+                       N, cols, asks ? next : nullptr);
                  });
     }
   }

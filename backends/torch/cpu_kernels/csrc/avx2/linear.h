@@ -38,7 +38,8 @@ constexpr int64_t kLinesPerStep = kTileCols * 4 / 64;  // cache lines of one K s
 // part[m][0..15] += x[m] . (the sub-tile's 16 columns) over `steps` K steps from w, for R rows
 // of x (fp32, row stride ldx, from the chunk's first K value); the sums start from zero where
 // `first`. Each step also asks for kLines cache lines of `ahead` (the next chunk's), so that
-// the next chunk streams in from memory while this one computes from L1.
+// the next chunk streams in from memory while this one computes from L1. kLines = kOwnLines
+// (rows_lines' other case, shapes.h) asks for none, as 0 does.
 template <typename T, int R, int kLines>
 void subtile(const float* x, int64_t ldx, int64_t steps, const T* w, float* part, bool first,
              const char* ahead) {
@@ -116,27 +117,6 @@ template <typename T>
 inline void store_silu_mul(__m256 gate, __m256 up, int64_t g, T* y, int64_t cols) {
   // gate and up rounded to T first, as the two projections' outputs would be
   store(y + 8 * g, silu_mul_vec(round_to(gate, y), round_to(up, y), y), cols - 8 * g);
-}
-
-// f(rows, lines) with both as compile-time constants (rows 1..6, lines 0, 1, 2 or 4)
-template <typename F>
-void rows_lines(int64_t rows, int64_t lines, F&& f) {
-  auto with_lines = [&](auto r) {
-    switch (lines) {
-      case 4: f(r, std::integral_constant<int, 4>{}); break;
-      case 2: f(r, std::integral_constant<int, 2>{}); break;
-      case 1: f(r, std::integral_constant<int, 1>{}); break;
-      default: f(r, std::integral_constant<int, 0>{}); break;
-    }
-  };
-  switch (rows) {
-    case 6: with_lines(std::integral_constant<int, 6>{}); break;
-    case 5: with_lines(std::integral_constant<int, 5>{}); break;
-    case 4: with_lines(std::integral_constant<int, 4>{}); break;
-    case 3: with_lines(std::integral_constant<int, 3>{}); break;
-    case 2: with_lines(std::integral_constant<int, 2>{}); break;
-    default: with_lines(std::integral_constant<int, 1>{}); break;
-  }
 }
 
 // columns [k0, k0 + n) of every row of x as fp32, row stride n, widened into `buf` (bf16)
