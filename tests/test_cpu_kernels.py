@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,29 @@ def test_the_kernels_build_wherever_nothing_rules_them_out() -> None:
     unseen (every other test in this file would only be skipped)."""
     if cpu_kernels.unavailable_reason() is None:
         assert KERNELS is not None, "the CPU kernels failed to build (see the log above)"
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_every_file_the_build_reads(tmp_path: Path) -> None:
+    """`pip install .` (the Docker image's install) gets every source and header: a missing
+    one fails the build (or, before, its digest), and a server falls back to torch's kernels."""
+    # from a copy: setuptools' build/ in the tree would keep files the package data lacks
+    source = tmp_path / "source"
+    shutil.copytree(
+        Path(__file__).resolve().parents[1], source,
+        ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "bench-results"),
+    )  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path)],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = set(archive.namelist())
+    csrc = "backends/torch/cpu_kernels/csrc/"
+    missing = [n for n in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS) if csrc + n not in shipped]
+    assert not missing, f"the wheel lacks {missing}"
 
 
 NO_COMPILER = "no C++ compiler (c++ or g++) on PATH"
