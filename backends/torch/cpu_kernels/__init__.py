@@ -14,9 +14,11 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
 - `linear`: decode-sized matmuls (1 to 128 rows) over a weight packed into 64-row tiles, each
   tile one sequential stream; bf16 products by AVX512-BF16 (`vdpbf16ps`), fp32 by FMA.
   Streaming all SmolLM2 projections from memory, it reads 1.2-1.7x faster than oneDNN's
-  prepacked path at 1-8 rows and stays ahead up to 128 rows (packed.py). fp32 tiles that 7-32
-  rows share go in 16 KB chunks of K, the next chunk streaming in while the later rows
-  compute (1.09-1.23x whole passes over K).
+  prepacked path at 1-8 rows and stays ahead up to 128 rows (packed.py). How weights are
+  asked for ahead goes by CPU vendor (`stream_plan()` in csrc/linear.cpp): on Intel, fp32
+  tiles that 7-32 rows share go in 16 KB chunks of K, the next chunk streaming in while the
+  later rows compute (1.09-1.23x whole passes over K); on AMD (Zen 4) whole passes and the
+  hardware's own stream (1.18-1.40x the chunks at 7-16 rows).
   Where the CPU has AMX (Sapphire Rapids and later), bf16 tiles are multiplied by AMX's
   TDPBF16PS over the same layout (csrc/amx.h): 1.0x the AVX512-BF16 path at 1 row, 1.5x at 8,
   4.1x at 32, 5.4x at 64. `CAROUSEL_AMX=0` turns it off; `set_amx_min_rows(n)` sets the
