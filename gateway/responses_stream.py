@@ -51,6 +51,9 @@ class ResponseBuilder:
         self._sequence = 0
         self._open: OutputMessage | FunctionCall | None = None
         self._calls: dict[int, FunctionCall] = {}  # parser call index -> its item
+        # NOTE: the open message's deltas, joined into its text when it closes: `text +=`
+        # would copy the whole text at every token (quadratic in the output's length)
+        self._deltas: list[str] = []
 
     def start(self) -> list[ResponseStreamEvent]:
         return [
@@ -104,8 +107,9 @@ class ResponseBuilder:
             message.content.append(OutputText())
             out.append(self._part("response.content_part.added", message))
             self._open = message
+            self._deltas = []
         message = self._open
-        message.content[0].text += delta
+        self._deltas.append(delta)
         out.append(
             OutputTextDeltaEvent(
                 sequence_number=self._next(),
@@ -149,6 +153,8 @@ class ResponseBuilder:
         index = self._index(item)
         if isinstance(item, OutputMessage):
             part = item.content[0]
+            part.text = "".join(self._deltas)
+            self._deltas = []
             out.append(
                 OutputTextDoneEvent(
                     sequence_number=self._next(),
