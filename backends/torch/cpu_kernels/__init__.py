@@ -231,6 +231,18 @@ def amx_from_row(module: ModuleType, rows: int) -> Iterator[None]:
         module.set_amx_min_rows(before)
 
 
+@contextmanager
+def stream_plan(module: ModuleType, *, own_lines: bool, chunked: bool) -> Iterator[None]:
+    """`module`'s AVX-512 linear with another weight-streaming plan for the block (by default
+    the CPU vendor's: csrc/linear.cpp `stream_plan()`), then put back. The AVX2 build has one
+    plan and ignores it."""
+    before = module.set_stream_plan(own_lines, chunked)
+    try:
+        yield
+    finally:
+        module.set_stream_plan(*before)
+
+
 def _digest(csrc: Path = CSRC) -> str:
     """What the built module depends on: the sources, the flags, torch and Python (a header
     that another commit's csrc/ lacks, `build_variant`'s, counts as absent)."""

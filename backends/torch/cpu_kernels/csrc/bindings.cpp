@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the fewest rows whose bf16 linears take AMX tiles; returns the previous figure",
         pybind11::arg("rows"));
   m.def("amx_built", &carousel::amx_built, "whether bf16 linears can take AMX tiles here");
+  m.def("set_stream_plan", &carousel::set_stream_plan,
+        "how linear asks for weights ahead (own lines, fp32 K chunks); returns the previous",
+        pybind11::arg("own_lines"), pybind11::arg("chunked"));
   m.def("decode_attention", &carousel::decode_attention,
         "one-token-per-sequence attention over the paged cache, in place",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),

@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <tuple>
+
 namespace carousel {
 
 // Output columns of one packed weight tile (four 16-lane fp32 vectors).
@@ -18,6 +20,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 // default 1), and whether this build and process can use AMX at all.
 int64_t set_amx_min_rows(int64_t rows);
 bool amx_built();
+
+// How the AVX-512 linear asks for weights ahead (by CPU vendor; linear.cpp's stream_plan):
+// whether a streaming pass asks for its own lines, and whether fp32 tiles of 7-32 rows go in
+// K chunks. Returns the previous pair; not to be called while a linear runs. The AVX2 build
+// has one plan and ignores it.
+std::tuple<bool, bool> set_stream_plan(bool own_lines, bool chunked);
 
 // silu(x @ gate.T) * (x @ up.T) (the MLP's first half), with gate and up packed together by
 // `pack_gate_up` (each tile: 32 gate rows, then the same 32 up rows), rounding as

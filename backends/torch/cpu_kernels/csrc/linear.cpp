@@ -19,11 +19,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
-#include "shapes.h"
 #include "kernels.h"
+#include "shapes.h"
 #include "simd.h"
 #include "tasks.h"
 
@@ -143,15 +144,17 @@ void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* part
 //   first streams the tile from memory, the others re-read it from L2 (fp32 1.03-1.32x the
 //   chunks at 7-32 rows, even with each chunk's passes sharing the asking for the next one;
 //   asking for the next tile during the passes from L2 0.78-1.09x).
+// `set_stream_plan` switches it (the suite checks both plans' bits on any CPU).
 struct StreamPlan {
-  bool own_lines;  // a streaming pass asks for its own lines ahead
-  bool chunked;    // fp32 tiles of kRows + 1 to kChunkedRows rows go in K chunks
+  std::atomic<bool> own_lines;  // a streaming pass asks for its own lines ahead
+  std::atomic<bool> chunked;    // fp32 tiles of kRows + 1 to kChunkedRows rows go in K chunks
 };
 
-const StreamPlan& stream_plan() {
-  static const StreamPlan plan = [] {
+StreamPlan& stream_plan() {
+  static StreamPlan plan = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? StreamPlan{false, false} : StreamPlan{true, true};
+    const bool intel = !__builtin_cpu_is("amd");
+    return StreamPlan{{intel}, {intel}};
   }();
   return plan;
 }
@@ -176,11 +179,12 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
   constexpr int64_t kLines = kTileCols * Traits<T>::kStep * sizeof(T) / 64;  // per K step
   const StreamPlan& plan = stream_plan();
   thread_local std::vector<float> partial;
-  const bool chunked =
-      plan.chunked && std::is_same_v<T, float> && M > kRows && M <= kChunkedRows;
+  const bool chunked = plan.chunked.load(std::memory_order_relaxed) &&
+                       std::is_same_v<T, float> && M > kRows && M <= kChunkedRows;
   const int64_t chunk = chunked ? kChunk<T> : K;
   partial.resize(M * kTileCols);  // once per thread and size
-  const int64_t streaming = plan.own_lines ? kOwnLines : 0;  // what a pass that asks none does
+  // what a pass that asks for no next chunk does
+  const int64_t streaming = plan.own_lines.load(std::memory_order_relaxed) ? kOwnLines : 0;
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
     const bool ask = chunked && k1 < K;  // the second pass asks for this tile's next chunk
@@ -285,6 +289,16 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 }
 
 int64_t set_amx_min_rows(int64_t rows) { return amx_min_rows.exchange(rows); }
+
+std::tuple<bool, bool> set_stream_plan(bool own_lines, bool chunked) {
+#if defined(__AVX512F__)
+  StreamPlan& plan = stream_plan();
+  return {plan.own_lines.exchange(own_lines), plan.chunked.exchange(chunked)};
+#else
+  (void)own_lines, (void)chunked;  // the AVX2 build has one plan: chunks from two rows
+  return {false, true};
+#endif
+}
 
 bool amx_built() {
 #if defined(__AMX_BF16__)
