@@ -16,7 +16,6 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -211,23 +210,21 @@ def test_fp32_rows_that_share_a_tile_get_the_bits_each_row_gets_alone_under_eith
     each row's sums must come out as that row alone computes them."""
     assert KERNELS is not None
     with cpu_kernels.stream_plan(KERNELS, own_lines=own_lines, chunked=chunked):
-        _check_rows_alone(KERNELS, rows)
-
-
-def _check_rows_alone(kernels: ModuleType, rows: int) -> None:
-    gen = torch.Generator().manual_seed(rows)
-    k = 64 * 9 + 5  # nine chunks and a remainder
-    x = torch.randn(rows, k, generator=gen)
-    w = torch.randn(200, k, generator=gen)
-    bias = cpu_kernels.pack_bias(torch.randn(200, generator=gen), 200)
-    packed, gate_up = cpu_kernels.pack_weight(w), cpu_kernels.pack_gate_up(w[:100], w[100:])
-    got = kernels.linear(x, packed, 200, bias)
-    alone = torch.cat([kernels.linear(x[i : i + 1], packed, 200, bias) for i in range(rows)])
-    assert torch.equal(got, alone)
-    got = kernels.linear_silu_mul(x, gate_up, 100)
-    alone = torch.cat([kernels.linear_silu_mul(x[i : i + 1], gate_up, 100) for i in range(rows)])
-    assert torch.equal(got, alone)
-    assert torch.allclose(got, F.silu(x @ w[:100].T) * (x @ w[100:].T), rtol=1e-4, atol=1e-3)
+        gen = torch.Generator().manual_seed(rows)
+        k = 64 * 9 + 5  # nine chunks and a remainder
+        x = torch.randn(rows, k, generator=gen)
+        w = torch.randn(200, k, generator=gen)
+        bias = cpu_kernels.pack_bias(torch.randn(200, generator=gen), 200)
+        packed, gate_up = cpu_kernels.pack_weight(w), cpu_kernels.pack_gate_up(w[:100], w[100:])
+        got = KERNELS.linear(x, packed, 200, bias)
+        alone = torch.cat([KERNELS.linear(x[i : i + 1], packed, 200, bias) for i in range(rows)])
+        assert torch.equal(got, alone)
+        got = KERNELS.linear_silu_mul(x, gate_up, 100)
+        alone = torch.cat(
+            [KERNELS.linear_silu_mul(x[i : i + 1], gate_up, 100) for i in range(rows)]
+        )
+        assert torch.equal(got, alone)
+        assert torch.allclose(got, F.silu(x @ w[:100].T) * (x @ w[100:].T), rtol=1e-4, atol=1e-3)
 
 
 @needs_kernels

@@ -189,8 +189,8 @@ void rows_of_tile(const T* x, int64_t M, int64_t K, const T* w, const float* bia
     const int64_t k1 = std::min(K, k0 + chunk);
     const bool ask = chunked && k1 < K;  // the second pass asks for this tile's next chunk
     const char* next = reinterpret_cast<const char*>(w + k1 * kTileCols);
-    for (int64_t m = 0, p = 0; m < M; m += kRows, ++p) {
-      const bool asks = ask && p == 1;
+    for (int64_t m = 0; m < M; m += kRows) {
+      const bool asks = ask && m == kRows;
       rows_lines(std::min<int64_t>(kRows, M - m), asks ? kLines : streaming,
                  [&](auto r, auto l) {
                    tile<E, T, decltype(r)::value, decltype(l)::value>(
