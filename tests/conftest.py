@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -114,6 +115,23 @@ def start_server(
     app = create_app(Settings(backend="sim", **settings), [Deployment(SIM_MODEL, [arm])])
     url = stack.enter_context(serve_app(app, "/health" if wait_ready else None))
     return LiveServer(url, app, arm)
+
+
+@pytest.fixture
+def no_gc_pauses() -> Iterator[None]:
+    """The suite's heap frozen for a test that times arrivals to within tens of milliseconds.
+
+    Late in a full run this process holds about a million objects, and one full collection
+    then stops every thread for 0.6-0.7 s: long enough to send a replayed request past its
+    tolerance (CI after stop 33). A served gateway freezes its own heap after start-up
+    (gateway/app.py), and the bench client runs in a small process of its own.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @pytest.fixture

@@ -143,6 +143,7 @@ def live_bodies() -> list[tuple[str, dict[str, Any]]]:
     return bodies
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 def test_record_then_replay_against_a_live_server(
     tmp_path: Path, make_server: Callable[..., LiveServer]
 ) -> None:
@@ -238,6 +239,7 @@ def serve(app: FastAPI) -> Iterator[str]:
         sock.close()
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 def test_replay_reproduces_arrivals_at_the_server_and_speaks_responses(tmp_path: Path) -> None:
     bodies: list[tuple[str, dict[str, Any]]] = [
         ("responses", {"model": "m", "input": "a b c d", "max_output_tokens": 4 + i})

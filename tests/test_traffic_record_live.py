@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from bench.cli import main as bench_main
 from tests.conftest import CHAT, SIM_MODEL, LiveServer
@@ -30,6 +31,7 @@ def lines_of(path: Path, count: int, timeout: float = 10.0) -> list[dict[str, An
         time.sleep(0.05)
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 def test_each_request_is_one_line_with_its_arm_outcome_and_arrival(
     make_server: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
@@ -98,6 +100,7 @@ def test_an_unwritable_record_never_fails_a_request(
         time.sleep(0.1)
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 def test_a_recorded_session_replays_with_its_arrivals(
     make_server: Callable[..., LiveServer], tmp_path: Path
 ) -> None:
