@@ -157,6 +157,7 @@ async def test_timings_follow_the_stream() -> None:
     assert result.latency is not None and result.latency >= 0.1
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 async def test_requests_go_out_on_schedule_and_stop_cancels_in_flight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

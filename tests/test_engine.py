@@ -177,6 +177,7 @@ def test_inadmissible_request_is_refused_synchronously() -> None:
         engine.stop()
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 def test_idle_engine_does_not_spin() -> None:
     engine = Engine(SimBackend(), "static", policy_options={"batch_wait_ms": 50})
     engine.start()

@@ -188,6 +188,7 @@ def test_an_unwritable_path_never_raises_and_counts_drops(tmp_path: Path) -> Non
     assert recorder.written == 0 and recorder.dropped == 5
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 def test_a_full_queue_drops_without_blocking_the_caller(tmp_path: Path) -> None:
     recorder = TrafficRecorder(tmp_path / "traffic.jsonl", queue_size=4)
     release = threading.Event()

@@ -393,6 +393,7 @@ def test_flat_and_fastapi_4xx_bodies_are_wrapped_in_openai_shape() -> None:
 # ----------------------------------------------------------------------------- streaming
 
 
+@pytest.mark.usefixtures("no_gc_pauses")
 async def test_stream_is_forwarded_incrementally_not_buffered(
     fake: FakeUpstream, url: Callable[[str], str], client: MakeClient
 ) -> None:
