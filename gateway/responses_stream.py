@@ -51,8 +51,9 @@ class ResponseBuilder:
         self._sequence = 0
         self._open: OutputMessage | FunctionCall | None = None
         self._calls: dict[int, FunctionCall] = {}  # parser call index -> its item
-        # NOTE: the open message's deltas, joined into its text when it closes: `text +=`
-        # would copy the whole text at every token (quadratic in the output's length)
+        # NOTE: the open message's deltas, joined into its text when it closes (and emptied
+        # there, before any next message opens): `text +=` would copy the whole text at every
+        # token (quadratic in the output's length)
         self._deltas: list[str] = []
 
     def start(self) -> list[ResponseStreamEvent]:
@@ -107,7 +108,6 @@ class ResponseBuilder:
             message.content.append(OutputText())
             out.append(self._part("response.content_part.added", message))
             self._open = message
-            self._deltas = []
         message = self._open
         self._deltas.append(delta)
         out.append(

@@ -36,7 +36,7 @@ from gateway.responses_convert import (
 )
 from gateway.responses_stream import ResponseBuilder
 from gateway.streaming import event_type
-from gateway.tool_call_parser import ToolCallStreamParser
+from gateway.tool_call_parser import ToolCallDelta, ToolCallStreamParser
 from gateway.tool_calls import check_tools, resolve_tool_choice
 from schedulers.structured_output import GrammarSpec
 from tests.conftest import serve_app
@@ -282,6 +282,20 @@ def test_every_events_type_is_read_off_its_json_as_parsing_reads_it() -> None:
     ]
     for payload in others:
         assert event_type(payload) == json.loads(payload).get("type", "message")
+
+
+def test_text_after_a_call_is_a_message_of_its_own_text() -> None:
+    """Each message item holds only its own deltas, in its done event and in the response."""
+    builder = ResponseBuilder(response_skeleton(request(), "m"))
+    events = builder.start() + builder.feed(["Let me", " check."])
+    events += builder.feed([ToolCallDelta(0, "call_0", "get_weather"), ToolCallDelta(0, None,
+                            None, '{"city": "Paris"}')])  # fmt: skip
+    events += builder.feed(["It is", " sunny."]) + builder.finish(ResponseUsage.of(7, 4))
+    done = [e.text for e in events if e.type == "response.output_text.done"]
+    assert done == ["Let me check.", "It is sunny."]
+    first, call, second = builder.response.output
+    assert [first.content[0].text, second.content[0].text] == done  # type: ignore[union-attr]
+    assert call.arguments == '{"city": "Paris"}'  # type: ignore[union-attr]
 
 
 def test_a_failed_stream_ends_with_response_failed() -> None:
