@@ -119,7 +119,8 @@ def start_server(
 
 @pytest.fixture
 def no_gc_pauses() -> Iterator[None]:
-    """The suite's heap frozen for a test that times arrivals to within tens of milliseconds.
+    """The suite's heap frozen for a test that times a window of under a second (arrivals to
+    within tens of milliseconds, a first event, a burst of calls, an idle engine's CPU).
 
     Late in a full run this process holds about a million objects, and one full collection
     then stops every thread for 0.6-0.7 s: long enough to send a replayed request past its
