@@ -12,7 +12,7 @@ from typing import Any, cast
 import httpx
 import structlog
 
-from backends.upstream import errors
+import backends.upstream.errors as errors
 from backends.upstream.config import UpstreamConfig
 from backends.upstream.errors import UpstreamError
 from backends.upstream.replicas import ReplicaPool, ReplicaState
