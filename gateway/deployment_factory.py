@@ -10,7 +10,13 @@ from __future__ import annotations
 from backends.upstream import UpstreamConfig
 from gateway.arm_settings import ArmSettings
 from gateway.deployment import Arm, Deployment
-from gateway.engine_factory import SharedWeights, load_backend, scheduler_config, serving_options
+from gateway.engine_factory import (
+    SharedWeights,
+    check_backend_settings,
+    load_backend,
+    scheduler_config,
+    serving_options,
+)
 from gateway.local_arm import LocalArm
 from gateway.settings import Settings
 from gateway.upstream_arm import UpstreamArm
@@ -25,6 +31,7 @@ def arm_settings(settings: Settings, arm: ArmSettings) -> Settings:
 
 
 def local_arm(settings: Settings, name: str, weight: float, weights: SharedWeights) -> LocalArm:
+    check_backend_settings(settings)  # at start-up, before any weights load
     arm = LocalArm(
         name,
         lambda: load_backend(settings, weights),

@@ -1,7 +1,10 @@
 """What a local arm runs, built from its settings: the backend, the scheduler config, the
-serving limits. Each is read from the settings by field name, so a setting named like a
-`SchedulerConfig` field, a `ServingOptions` field or a `TorchBackend` argument reaches it
-with no code here (add the field to gateway/setting_groups.py and that is all).
+serving limits. The scheduler config and the serving limits read the settings by field name
+(a setting named like a `SchedulerConfig` or `ServingOptions` field reaches it with no code
+here); the torch backend's `TorchBackendConfig` is built once here, field by field, and
+handed down whole (tests/test_settings.py fails for a setting that reaches nothing).
+A setting the chosen backend cannot honour is refused before anything loads
+(`check_backend_settings`).
 
 Torch is imported only in `load_backend`, only when a torch arm is asked for
 (tests/test_layering.py holds the gateway to that).
@@ -10,12 +13,11 @@ Torch is imported only in `load_backend`, only when a torch arm is asked for
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import threading
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gateway.serving_common import ServingOptions
+from gateway.setting_groups import unhonoured_message
 from gateway.settings import Settings
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
@@ -30,15 +32,43 @@ def by_field_name(cls: type[T], settings: Settings, **extra: Any) -> T:
     return cls(**{**values, **extra})
 
 
-def call_by_name(fn: Callable[..., T], settings: Settings, *args: Any) -> T:
-    """`fn(*args, **kwargs)` with every keyword parameter of `fn` that names a setting."""
-    params = inspect.signature(fn).parameters
-    kwargs = {
-        name: getattr(settings, name)
-        for name, param in params.items()
-        if param.kind is inspect.Parameter.KEYWORD_ONLY and hasattr(settings, name)
+def check_backend_settings(settings: Settings) -> None:
+    """Refuse, naming them, settings the arm's backend cannot honour (never ignore them)."""
+    message = unhonoured_message(settings)
+    if message:
+        raise ValueError(message)
+
+
+def torch_backend_config(settings: Settings) -> Any:
+    """The `TorchBackendConfig` of `settings`: every torch setting, read in this one place.
+
+    Torch is imported here (the config's package), only when a torch arm is built.
+    """
+    check_backend_settings(settings)
+    return _torch_modules().TorchBackendConfig(
+        model=settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        kv_cache_gb=settings.kv_cache_gb,
+        block_size=settings.block_size,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        prepack_weights=settings.prepack_weights,
+        attention_backend=settings.attention_backend,
+        cpu_kernels=settings.cpu_kernels,
+        compile=settings.compile,
+        tensor_parallel_size=settings.tensor_parallel_size,
+    )
+
+
+def sim_options(settings: Settings) -> dict[str, Any]:
+    """The sim backend's keyword arguments, read from `settings` in this one place."""
+    return {
+        "num_blocks": settings.sim_num_blocks,
+        "block_size": settings.block_size,
+        "max_model_len": settings.max_model_len or settings.sim_max_model_len,
+        "time_scale": settings.sim_time_scale,
     }
-    return fn(*args, **kwargs)
 
 
 def scheduler_config(settings: Settings) -> SchedulerConfig:
@@ -72,25 +102,22 @@ def load_weights(settings: Settings) -> tuple[Any, Any]:
 def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Backend:
     """The backend `settings` name; torch is imported only here, only when asked for.
 
-    Torch backends built with the same `weights` share one copy of the model. The torch
-    backend's keyword arguments are the settings of the same names.
+    Torch backends built with the same `weights` share one copy of the model; each gets
+    the one `TorchBackendConfig` of `settings`.
     """
+    check_backend_settings(settings)
     if settings.backend == "sim":
         from backends.sim import SimBackend
 
-        return SimBackend(
-            num_blocks=settings.sim_num_blocks,
-            block_size=settings.block_size,
-            max_model_len=settings.max_model_len or settings.sim_max_model_len,
-            time_scale=settings.sim_time_scale,
-        )
+        return SimBackend(**sim_options(settings))
     torch_backend = _torch_modules()
+    config = torch_backend_config(settings)
 
     def build() -> Backend:
-        if settings.tensor_parallel_size > 1:  # its ranks load their own shards, not `weights`
-            return call_by_name(torch_backend.TensorParallelBackend.load, settings, settings.model)
+        if config.tensor_parallel_size > 1:  # its ranks load their own shards, not `weights`
+            return torch_backend.TensorParallelBackend.load(config)
         model, tokenizer = (weights or SharedWeights(settings)).get()
-        return call_by_name(torch_backend.TorchBackend, settings, model, tokenizer)
+        return torch_backend.TorchBackend(model, tokenizer, config)
 
     # NOTE: loading runs OpenMP ops; a thread that exits takes its OpenMP pool with it, so
     # the engine's device thread keeps the only one (backends/torch/device_thread.py)

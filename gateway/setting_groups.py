@@ -3,8 +3,9 @@
 gateway/settings.py composes them into `Settings`; the flags, env vars, YAML keys and
 per-arm overrides are all derived from these fields (see its docstring). Add a knob by
 adding one field to its group (and its line in docs/quickstart.md); a field named like a
-`SchedulerConfig`, `ServingOptions` or `TorchBackend` argument reaches it by that name
-(gateway/engine_factory.py).
+`SchedulerConfig` or `ServingOptions` field reaches it by that name, a torch setting by its
+line in `torch_backend_config` (gateway/engine_factory.py). A setting a backend ignores is
+refused (`unhonoured_settings`).
 """
 
 from __future__ import annotations
@@ -202,6 +203,42 @@ def per_arm_names() -> list[str]:
         if (info.json_schema_extra or {}).get("per_arm")
     ]
     return [*extra, *names, *policy_option_names()]
+
+
+#: the settings only the torch backend honours, at their defaults (sim refuses a change)
+TORCH_ONLY_DEFAULTS: dict[str, Any] = {
+    "device": None,
+    "dtype": None,
+    "kv_cache_gb": None,
+    "prepack_weights": True,
+    "attention_backend": "auto",
+    "cpu_kernels": True,
+    "compile": False,
+    "tensor_parallel_size": 1,
+}
+
+
+def unhonoured_settings(settings: BaseModel) -> list[str]:
+    """The settings given a value that `settings.backend` would ignore."""
+    values = {name: getattr(settings, name) for name in (*TORCH_ONLY_DEFAULTS, "backend")}
+    if values["backend"] == "sim":
+        return [k for k, v in TORCH_ONLY_DEFAULTS.items() if values[k] != v]
+    if values["tensor_parallel_size"] > 1 and values["compile"]:
+        return ["compile"]  # NOTE: as TorchBackendConfig refuses it (backends/torch/config.py)
+    return []
+
+
+def unhonoured_message(settings: BaseModel) -> str | None:
+    """A refusal naming the settings `settings.backend` cannot honour (None: it honours all)."""
+    names = unhonoured_settings(settings)
+    if not names:
+        return None
+    backend = getattr(settings, "backend", "torch")
+    if backend == "torch":
+        size = getattr(settings, "tensor_parallel_size", 1)
+        backend = f"the torch backend with tensor_parallel_size {size}"
+    them = "it" if len(names) == 1 else "them"
+    return f"{backend} cannot honour {', '.join(names)}: drop {them} or choose a backend that does"
 
 
 def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:

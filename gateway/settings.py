@@ -42,6 +42,7 @@ from gateway.setting_groups import (
     SchedulerSettings,
     ServerSettings,
     setting_names,
+    unhonoured_message,
     unknown_keys_message,
 )
 
@@ -88,6 +89,17 @@ class Settings(
     @classmethod
     def _check_arms(cls, value: list[ArmSettings] | None) -> list[ArmSettings] | None:
         return None if value is None else check_arms(value)
+
+    @model_validator(mode="after")
+    def _honoured(self) -> Settings:
+        """Refuse at start-up a setting an arm's backend would ignore, naming it."""
+        local = [spec for spec in self.arms or [] if spec.upstream is None]
+        arms = [self.model_copy(update=spec.engine_overrides()) for spec in local]
+        for settings in arms or [self]:
+            message = unhonoured_message(settings)
+            if message:
+                raise ValueError(message)
+        return self
 
     @property
     def model_name(self) -> str:

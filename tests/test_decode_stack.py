@@ -107,7 +107,7 @@ def test_the_stack_stays_out_where_the_loop_would_call_other_kernels() -> None:
     cache = paged_cache(model, torch.float32)
     assert PagedCausalLM(model, cache, native_layers=False).native_layers is None
     assert PagedCausalLM(model, cache, attention_backend="sdpa").native_layers is None
-    assert PagedCausalLM(model, cache, prepack=False).native_layers is None
+    assert PagedCausalLM(model, cache, prepack_weights=False).native_layers is None
     assert PagedCausalLM(model, cache, fuse_mlp=False).native_layers is None
     assert PagedCausalLM(model, cache, cpu_kernels=False).native_layers is None
     qwen3 = tiny_model("qwen3")  # a norm per head before rotary

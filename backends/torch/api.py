@@ -5,12 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from backends.torch.config import TorchBackendConfig
 from backends.torch.device_thread import call_on_own_thread
 from backends.torch.loader import load_model
 from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.runner import TorchBackend, resolve_device, resolve_dtype
 
-__all__ = ["TensorParallelBackend", "TorchBackend", "call_on_own_thread", "load_weights"]
+__all__ = [
+    "TensorParallelBackend",
+    "TorchBackend",
+    "TorchBackendConfig",
+    "call_on_own_thread",
+    "load_weights",
+]
 
 
 def load_weights(model: str, device: str | None, dtype: str | None) -> tuple[Any, Any]:

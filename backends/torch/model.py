@@ -10,6 +10,7 @@ dimension.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,13 +21,14 @@ from transformers import PreTrainedModel
 
 from backends.torch import cpu_kernels as native_kernels
 from backends.torch import inductor, inputs
-from backends.torch.attention import AUTO, create_backend
+from backends.torch.attention import create_backend
 from backends.torch.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     AttentionSpec,
     BatchLayout,
 )
+from backends.torch.config import TorchBackendConfig
 from backends.torch.decode_stack import NativeDecodeLayers
 from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
@@ -140,13 +142,13 @@ class PagedCausalLM:
         self,
         hf_model: PreTrainedModel,
         kv_cache: KVCache,
-        *,
-        prepack: bool = True,
-        attention_backend: str = AUTO,
-        cpu_kernels: bool = True,
-        fuse_mlp: bool = True,
-        native_layers: bool = True,
+        config: TorchBackendConfig | None = None,
+        **fields: Any,
     ) -> None:
+        """Reads the prepack, attention, kernel, MLP and native-layer settings of `config`
+        (keyword arguments: fields of a config built on the spot, as for `TorchBackend`)."""
+        config = dataclasses.replace(config or TorchBackendConfig(), **fields)
+        cpu_kernels = config.cpu_kernels
         check_architecture(type(hf_model).__name__)
         base = hf_model.model
         self.embed_tokens = base.embed_tokens
@@ -155,11 +157,12 @@ class PagedCausalLM:
         self.rotary_emb = base.rotary_emb
         self.specs = attention_specs(hf_model)
         weight = hf_model.lm_head.weight
-        plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels) if prepack else None
+        plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels)
+        plan = plan if config.prepack_weights else None
         self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
         self._plan = plan
         # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs
-        fuse_mlp = fuse_mlp and self.dense_kernels is not None
+        fuse_mlp = config.fuse_mlp and self.dense_kernels is not None
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), plan, fuse_mlp=fuse_mlp)
             for layer in self.layers
@@ -167,7 +170,7 @@ class PagedCausalLM:
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
         self.kv_cache = kv_cache
         self.attention = create_backend(
-            attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
+            config.attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
         )
         self._norms = [
             (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
@@ -189,7 +192,7 @@ class PagedCausalLM:
             NativeDecodeLayers.build(
                 self.dense_kernels, self.linears, self._norms, self.specs, self.attention, plan
             )
-            if native_layers and self._fused_rotary
+            if config.native_layers is not False and self._fused_rotary
             else None
         )
         self.compiled = False  # see enable_compiled

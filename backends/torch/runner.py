@@ -1,58 +1,45 @@
 """The torch backend: turns a Batch into flat tensors, runs the paged forward, samples.
 
-Construct it either from a model reference::
+Construct it from a model reference::
 
-    TorchBackend.load(model="default", *, device=None, dtype=None, kv_cache_gb=None,
-                      kv_cache_fraction=None, block_size=16, max_model_len=None,
-                      max_num_seqs=256, prepack_weights=True, attention_backend="auto",
-                      compile=False, cpu_kernels=True, fuse_mlp=True,
-                      native_layers=True)
+    TorchBackend.load(config)  # or TorchBackend.load(model="default", device="cpu", ...)
 
 or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokenizer::
 
-    TorchBackend(model, tokenizer, *, device=None, dtype=None, kv_cache_gb=None,
-                 kv_cache_fraction=None, block_size=16, max_model_len=None, max_num_seqs=256,
-                 prepack_weights=True, attention_backend="auto", compile=False,
-                 cpu_kernels=True, fuse_mlp=True, native_layers=True)
+    TorchBackend(model, tokenizer, config)  # or TorchBackend(model, tokenizer, dtype=...)
 
-`device` defaults to cuda when available, else cpu; `dtype` ("bfloat16", "float32", ...) to
-bf16 on cuda and on a CPU with AMX or AVX512-BF16, else fp32 (`default_dtype`); a model handed
-in on CPU without a dtype keeps its own. The model is moved and cast in place. KV sizing: see
-kv_cache.py (`max_num_seqs` only caps the KV cache: it never holds more than that many full
-contexts).
-`prepack_weights`: on CPU, matmuls with few rows go through prepacked weights (an extra copy
-of the weights; see packed.py); False keeps one copy and plain `F.linear`.
-`attention_backend`: a name from backends/torch/attention/ (`auto`, `sdpa`, `inductor_paged`,
-`cpu_paged`); `auto` is `cpu_paged` where Carousel's CPU kernels run, else `sdpa` (see
-attention/__init__.py). `cpu_kernels`: on CPU, Carousel's own AVX-512 kernels (cpu_kernels/)
-for the prepacked matmuls and `auto`'s attention, where they build; False keeps torch's.
-`fuse_mlp`: with those kernels, a SiLU MLP's gate, up and activation run as one kernel
-(packed.GateUp); False keeps three calls (for A/B runs: scripts/step_ab.py).
-`native_layers`: with those kernels, a decode-only step runs every decoder layer in one native
-call (decode_stack.py), bit for bit the eager loop's; False keeps the loop in Python (A/B).
-`compile`: the dense part of every decoder layer runs through one torch.compile'd graph
-(dense.py; eager without a C++ compiler).
+Every setting is a field of `TorchBackendConfig` (config.py, which says what each does);
+keyword arguments are fields of a config built on the spot. The model is moved and cast in
+place. KV sizing: see kv_cache.py.
 Compiled kernels are built here, at construction (logged), never on a request's path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from backends.torch.attention import AUTO
+from backends.torch.config import TorchBackendConfig
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.inputs import ModelInput, prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
-from backends.torch.loader import DEFAULT_MODEL, check_architecture, load_model
+from backends.torch.loader import check_architecture, load_model
 from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.sampler import Sampler
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 
-DEFAULT_MAX_NUM_SEQS = 256
+
+def with_fields(
+    config: TorchBackendConfig | str | None, fields: dict[str, Any]
+) -> TorchBackendConfig:
+    """`config` (default: the defaults; a string: its model) with `fields` replaced."""
+    if isinstance(config, str):
+        return TorchBackendConfig(model=config, **fields)
+    return dataclasses.replace(config or TorchBackendConfig(), **fields)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -104,21 +91,11 @@ class TorchBackend(Backend):
         self,
         model: PreTrainedModel,
         tokenizer: Any,
-        *,
-        device: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        kv_cache_gb: float | None = None,
-        kv_cache_fraction: float | None = None,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        prepack_weights: bool = True,
-        attention_backend: str = AUTO,
-        compile: bool = False,
-        cpu_kernels: bool = True,
-        fuse_mlp: bool = True,
-        native_layers: bool = True,
+        config: TorchBackendConfig | None = None,
+        **fields: Any,
     ) -> None:
+        self.config = config = with_fields(config, fields)
+        device, dtype = config.device, config.dtype
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
         # NOTE: on CPU a model handed in without a dtype keeps its own (loaders already chose)
@@ -127,36 +104,29 @@ class TorchBackend(Backend):
         # in place, like nn.Module.to; transformers' decorator hides the signature from mypy
         model.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         self.hf_model = model.eval()
-        config = model.config
+        hf_config = model.config
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         self.eos_token_ids = eos_token_ids_of(model, tokenizer)
         specs = attention_specs(model)
         kv_layout = KVLayout(
             num_layers=len(specs),
             num_kv_heads=specs[0].num_kv_heads,
             head_dim=specs[0].head_dim,
-            block_size=block_size,
+            block_size=config.block_size,
             dtype=self.dtype,
         )
-        budget = kv_budget_bytes(self.device, kv_cache_gb, kv_cache_fraction)
-        num_blocks = self._num_kv_blocks(kv_layout, budget, max_num_seqs)  # TP: the ranks agree
+        budget = kv_budget_bytes(self.device, config.kv_cache_gb, config.kv_cache_fraction)
+        num_blocks = self._num_kv_blocks(kv_layout, budget, config.max_num_seqs)  # TP: agreed
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
-        self.model = PagedCausalLM(
-            model,
-            self.kv_cache,
-            prepack=prepack_weights,
-            attention_backend=attention_backend,
-            cpu_kernels=cpu_kernels,
-            fuse_mlp=fuse_mlp,
-            native_layers=native_layers,
-        )
+        self.model = PagedCausalLM(model, self.kv_cache, config)
         self.model.attention.warm_up()
-        if compile and self.model.compilable():
+        if config.compile and self.model.compilable():
             self.model.enable_compiled()
         self.sampler = Sampler(
-            config.vocab_size, self.device, max_num_seqs, cpu_kernels=cpu_kernels
-        )
+            self._vocab_size(hf_config), self.device, config.max_num_seqs,
+            cpu_kernels=config.cpu_kernels,
+        )  # fmt: skip
 
     @classmethod
     def create(cls, model: PreTrainedModel, tokenizer: Any, **kwargs: Any) -> TorchBackend:
@@ -170,56 +140,31 @@ class TorchBackend(Backend):
         return call_on_own_thread(lambda: cls(model, tokenizer, **kwargs), "carousel-build")
 
     @classmethod
-    def load(
-        cls,
-        model: str = DEFAULT_MODEL,
-        *,
-        device: str | None = None,
-        dtype: str | None = None,
-        kv_cache_gb: float | None = None,
-        kv_cache_fraction: float | None = None,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        prepack_weights: bool = True,
-        attention_backend: str = AUTO,
-        compile: bool = False,
-        cpu_kernels: bool = True,
-        fuse_mlp: bool = True,
-        native_layers: bool = True,
-    ) -> TorchBackend:
-        """Load `model` (see loader.py for what a reference may be) onto `device`.
+    def load(cls, config: TorchBackendConfig | str | None = None, **fields: Any) -> TorchBackend:
+        """Load `config.model` (see loader.py for what a reference may be) onto its device.
+
+        A string is the model reference of a config with the defaults and `fields`.
 
         The loading runs on a thread of its own that exits afterwards, so it leaves no
         OpenMP pool behind to compete with the engine thread's (backends/torch/device_thread.py).
         """
-        target = resolve_device(device)
+        config = with_fields(config, fields)
+        target = resolve_device(config.device)
 
         def build() -> TorchBackend:
-            hf_model, tokenizer = load_model(model, dtype=resolve_dtype(dtype, target))
-            return cls(
-                hf_model,
-                tokenizer,
-                device=device,
-                dtype=dtype,
-                kv_cache_gb=kv_cache_gb,
-                kv_cache_fraction=kv_cache_fraction,
-                block_size=block_size,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                prepack_weights=prepack_weights,
-                attention_backend=attention_backend,
-                compile=compile,
-                cpu_kernels=cpu_kernels,
-                fuse_mlp=fuse_mlp,
-                native_layers=native_layers,
-            )
+            dtype = resolve_dtype(config.dtype, target)
+            hf_model, tokenizer = load_model(config.model, dtype=dtype)
+            return cls(hf_model, tokenizer, config)
 
         return call_on_own_thread(build, "carousel-load")
 
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         """KV blocks to allocate (tensor parallelism overrides it with the ranks' agreed count)."""
         return plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
+
+    def _vocab_size(self, hf_config: Any) -> int:
+        """The sampler's vocabulary (tensor parallelism: the gathered one, not the shard's)."""
+        return int(hf_config.vocab_size)
 
     @property
     def grammar_vocab_size(self) -> int:

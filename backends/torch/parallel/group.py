@@ -47,6 +47,7 @@ from backends.torch.parallel.rendezvous import (
     join_group,
     local_device,
 )
+from backends.torch.parallel.worker import TensorParallelWorker, run_spawned
 from schedulers.backend import BackendDeadError
 
 DEFAULT_HEARTBEAT_S = 1.0
@@ -87,6 +88,7 @@ class TensorParallelGroup:
             failed=self._exited_reason,
         )  # fmt: skip
         self.channel.meet("serving")  # every worker is in its loop, reading headers
+        self.worker = TensorParallelWorker(self.channel, self.device)  # rank 0's
         self.refs = 0
         for target in (self._monitor, self._heartbeats):
             thread = threading.Thread(target=target, name="carousel-tp-" + target.__name__[1:])
@@ -115,8 +117,6 @@ class TensorParallelGroup:
             "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=self.start_timeout_s),
         )  # fmt: skip
-        from backends.torch.parallel.worker import run_spawned
-
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         args = (self.world_size, store.port, self.device_type, os.getpid(), self.timeout_s,
                 self.start_timeout_s, threads)  # fmt: skip
@@ -165,9 +165,10 @@ class TensorParallelGroup:
             self._last_exchange = time.monotonic()
             self._lock.release()
 
-    def send(self, kind: Kind, instance: int = 0, sizes: list[int] | None = None) -> None:
-        """Announce `kind` to every rank (call inside `exchange`)."""
-        self.channel.header([int(kind), instance, *(sizes or [])])
+    def call(self, kind: Kind, instance: int = 0, *args: Any) -> Any:
+        """`kind` on every rank's worker, rank 0's result (holds the group for the exchange)."""
+        with self.exchange():
+            return self.worker.call(kind, instance, *args)
 
     # -- liveness --------------------------------------------------------------------
 
@@ -219,8 +220,7 @@ class TensorParallelGroup:
                 continue
             with contextlib.suppress(BackendDeadError), self.exchange(blocking=False) as held:
                 if held:
-                    self.send(Kind.HEARTBEAT)
-                    self.channel.heartbeat()
+                    self.worker.call(Kind.HEARTBEAT)
 
     # -- shutdown --------------------------------------------------------------------
 
@@ -230,8 +230,8 @@ class TensorParallelGroup:
             return
         self._closed.set()  # NOTE: first, so the ranks' exits below are not taken for a fault
         if self.dead_reason is None:
-            with contextlib.suppress(BackendDeadError), self.exchange():
-                self.send(Kind.SHUTDOWN)
+            with contextlib.suppress(BackendDeadError):
+                self.call(Kind.SHUTDOWN)
         self._end_processes(grace_s=5.0)
         for thread in self._threads:
             if thread is not threading.current_thread():

@@ -1,17 +1,20 @@
-"""A non-zero rank of the tensor-parallel group: join, then obey rank 0's control messages.
+"""`TensorParallelWorker`: the one worker class of every rank of the tensor-parallel group.
 
-Started either by rank 0 with torch's multiprocessing (`run_spawned`, one node), or on any
-node from the torchrun-style environment::
+Rank 0 (the engine's process, group.py) `call`s its worker: the call goes to every other
+rank as a control message, then runs on rank 0 too; every other rank joins the group and
+runs its worker's `loop`, which receives each message and makes the same call. Started
+either by rank 0 with torch's multiprocessing (`run_spawned`, one node), or on any node
+from the torchrun-style environment::
 
     MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2 RANK=1 LOCAL_RANK=0 \
         python -m backends.torch.parallel.worker [--device cuda] [--timeout-s 30]
 
-The loop holds one model instance per tensor-parallel arm of rank 0 (LOAD / UNLOAD) and
-runs each STEP's forward on its shard. It exits on SHUTDOWN; on any failure of a collective
-(rank 0 gone, or silent past the timeout: rank 0 sends a heartbeat every second while idle);
-and, when spawned, as soon as its parent process is gone (checked twice a second), so a
-killed server leaves no worker behind. Started from the environment it ignores SIGTERM and
-SIGINT: the server drains on them, and the drain needs every rank.
+A worker holds one model instance (rank.py) per tensor-parallel arm of rank 0 (LOAD /
+UNLOAD) and runs each STEP's forward on its shard. A worker's loop exits on SHUTDOWN; on any
+failure of a collective (rank 0 gone, or silent past the timeout: rank 0 sends a heartbeat
+every second while idle); and, when spawned, as soon as its parent process is gone (checked
+twice a second), so a killed server leaves no worker behind. Started from the environment
+it ignores SIGTERM and SIGINT: the server drains on them, and the drain needs every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from backends.torch.parallel.channel import Channel, Kind
+from backends.torch.parallel.rank import LoadSpec, RankBackend
 from backends.torch.parallel.rendezvous import (
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -82,36 +86,85 @@ def serve(
     start_timeout_s: float,
 ) -> None:
     """Obey rank 0 until SHUTDOWN (a failed collective raises and ends the process)."""
-    from backends.torch.parallel.backend import LoadSpec, TensorParallelBackend
-
     channel = Channel(control_group(device_type, timeout), store, start_timeout_s)
     channel.meet("serving")  # NOTE: after the slow imports, so rank 0's first header is safe
-    instances: dict[int, Any] = {}
-    while True:
-        kind, instance, *sizes = channel.header()
+    TensorParallelWorker(channel, device).loop()
+
+
+class TensorParallelWorker:
+    """One rank's instances and the calls on them, alike on every rank (module docstring)."""
+
+    def __init__(self, channel: Channel, device: torch.device) -> None:
+        self.channel = channel
+        self.device = device
+        self.instances: dict[int, RankBackend] = {}
+
+    # -- rank 0 ----------------------------------------------------------------------
+
+    def call(self, kind: Kind, instance: int = 0, *args: Any) -> Any:
+        """Send `kind` and its arguments to every other rank, then run it here (rank 0)."""
+        sizes = args[0].sizes if kind == Kind.STEP else []
+        self.channel.header([int(kind), instance, *sizes])
         if kind == Kind.STEP:
-            buffer = torch.empty(FlatStep.packed_len(sizes[:4]), dtype=torch.long)
-            step = FlatStep.unpack(sizes[:4], channel.buffer(buffer))
-            instances[instance].run_step(step)
-        elif kind == Kind.HEARTBEAT:
-            channel.heartbeat()
-        elif kind == Kind.DESCRIBE:
-            channel.all_gather(instances[instance].describe_rank())
+            self.channel.buffer(args[0].pack())
         elif kind == Kind.LOAD:
-            spec: LoadSpec = channel.object()
-            built, _errors = TensorParallelBackend.build_rank(spec, channel, device)
-            if built is not None:
-                instances[instance] = built
-        elif kind == Kind.UNLOAD:
-            backend = instances.pop(instance, None)
-            if backend is not None:
-                backend.free()
-        elif kind == Kind.SHUTDOWN:
-            # NOTE: only a clean shutdown leaves the group; after a failure, exiting is all
+            self.channel.object(args[0])
+        return getattr(self, kind.name.lower())(instance, *args)
+
+    # -- every other rank ------------------------------------------------------------
+
+    def loop(self) -> None:
+        """Receive each call of rank 0 and make it here, until SHUTDOWN."""
+        while True:
+            value, instance, *sizes = self.channel.header()
+            try:
+                kind = Kind(value)
+            except ValueError:
+                raise RuntimeError(f"unknown control message {value}") from None
+            args: list[Any] = []
+            if kind == Kind.STEP:
+                buffer = torch.empty(FlatStep.packed_len(sizes[:4]), dtype=torch.long)
+                args = [FlatStep.unpack(sizes[:4], self.channel.buffer(buffer))]
+            elif kind == Kind.LOAD:
+                args = [self.channel.object()]
+            getattr(self, kind.name.lower())(instance, *args)
+            if kind == Kind.SHUTDOWN:
+                return
+
+    # -- the calls -------------------------------------------------------------------
+
+    def load(
+        self, instance: int, spec: LoadSpec, tokenizer: Any = None
+    ) -> tuple[RankBackend | None, str]:
+        """Build this rank's part of `spec`'s model (None and the ranks' errors on failure)."""
+        built, errors = RankBackend.build(spec, self.channel, self.device, tokenizer)
+        if built is not None:
+            self.instances[instance] = built
+        return built, errors
+
+    def step(self, instance: int, step: FlatStep) -> torch.Tensor:
+        """This rank's part of one forward (the gathered logits on rank 0)."""
+        return self.instances[instance].run_step(step)
+
+    def describe(self, instance: int) -> list[dict[str, int]]:
+        """Every rank's part of `instance`, in rank order."""
+        return list(self.channel.all_gather(self.instances[instance].describe_rank()))
+
+    def heartbeat(self, instance: int) -> None:
+        self.channel.heartbeat()
+
+    def unload(self, instance: int) -> None:
+        backend = self.instances.pop(instance, None)
+        if backend is not None:
+            backend.free()
+
+    def shutdown(self, instance: int) -> None:
+        """Leave the group (only a clean shutdown does: after a failure, exiting is all)."""
+        for backend in self.instances.values():
+            backend.free()
+        self.instances.clear()
+        if dist.get_rank() != 0:
             dist.destroy_process_group()
-            return
-        else:
-            raise RuntimeError(f"unknown control message {kind}")
 
 
 def main(argv: list[str] | None = None) -> int:

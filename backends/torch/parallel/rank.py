@@ -1,0 +1,153 @@
+"""`RankBackend`: one rank's part of a tensor-parallel model, the same on every rank.
+
+Each rank builds one from its own shard (shard.py): a `TorchBackend` whose HF model has the
+local sizes, so its paged forward and its KV cache cover only the rank's own heads, with the
+collectives installed (layers.py). The block ids rank 0's scheduler hands out index every
+rank's cache alike: the ranks agree on the number of blocks when they build (`build`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, PreTrainedModel
+
+from backends.torch.config import TorchBackendConfig
+from backends.torch.kv_cache import KVLayout, kv_budget_bytes, plan_num_blocks
+from backends.torch.parallel.channel import Channel
+from backends.torch.parallel.layers import parallelize
+from backends.torch.parallel.shard import load_shard
+from backends.torch.parallel.sizes import ModelDims, ShardPlan
+from backends.torch.parallel.step import FlatStep
+from backends.torch.runner import TorchBackend, resolve_dtype
+from schedulers.batch import Batch
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What every rank needs to build its part of one model: the whole config, sent as is."""
+
+    model_dir: str  # NOTE: a local HF directory; on several nodes, the same path on each
+    instance_id: int
+    config: TorchBackendConfig
+
+
+class RankBackend(TorchBackend):
+    """One rank's shard of a tensor-parallel model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        config: TorchBackendConfig,
+        *,
+        plan: ShardPlan,
+        num_blocks: int,
+        device: torch.device,
+    ) -> None:
+        self.plan = plan
+        self._num_blocks = num_blocks
+        #: one step's forward on every rank; rank 0's backend.py routes it through the workers
+        self.forward: Callable[[FlatStep], torch.Tensor] = self.run_step
+        # NOTE: the row-parallel linears all-reduce between the kernels, so a rank's layers
+        # never run as one native call (config.py refuses native_layers=True)
+        own = dataclasses.replace(config, device=str(device), native_layers=False)
+        super().__init__(model, tokenizer, own)
+        parallelize(self.model, plan)
+
+    def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
+        return self._num_blocks
+
+    def _vocab_size(self, hf_config: Any) -> int:
+        return self.plan.dims.vocab_size  # the HF config holds the local sizes
+
+    @classmethod
+    def build(
+        cls, spec: LoadSpec, channel: Channel, device: torch.device, tokenizer: Any = None
+    ) -> tuple[RankBackend | None, str]:
+        """This rank's backend (None and the ranks' errors if any rank failed).
+
+        Two phases, each ending in one all-gather, so a failure on one rank never leaves the
+        others waiting in a collective: the shard and the KV blocks it leaves room for, then
+        the cache (the least of the ranks' counts, so block ids mean the same everywhere).
+        Before each all-gather the ranks meet in the store (`Channel.meet`): loading may take
+        far longer than the collective timeout.
+        """
+        rank, world = dist.get_rank(), dist.get_world_size()
+        shard: Any = None
+        plan: ShardPlan | None = None
+        try:
+            plan = ShardPlan(ModelDims.of(AutoConfig.from_pretrained(spec.model_dir)), rank, world)
+            dtype = resolve_dtype(spec.config.dtype, device)
+            shard = load_shard(spec.model_dir, plan, dtype, str(device))
+            blocks = _kv_blocks_that_fit(shard, spec.config, device, dtype)
+            status: tuple[int, str | None] = (blocks, None)
+        except Exception as exc:
+            status = (0, f"rank {rank}: {exc!r}")
+        channel.meet(f"load/{spec.instance_id}/shard")
+        statuses = channel.all_gather(status)
+        errors = "; ".join(e for _, e in statuses if e)
+        if errors:
+            return None, errors
+        backend: RankBackend | None = None
+        try:
+            assert plan is not None
+            num_blocks = min(n for n, _ in statuses)
+            backend = cls(
+                shard, tokenizer, spec.config, plan=plan, num_blocks=num_blocks, device=device
+            )
+            failure = None
+        except Exception as exc:
+            failure = f"rank {rank}: {exc!r}"
+        channel.meet(f"load/{spec.instance_id}/cache")
+        errors = "; ".join(e for e in channel.all_gather(failure) if e)
+        if errors:
+            return None, errors
+        return backend, ""
+
+    def raw_logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
+        """The logits of `batch` (whole on rank 0 only), through `forward`."""
+        return self.forward(FlatStep.of(self.prepare(batch), rows))
+
+    def run_step(self, step: FlatStep) -> torch.Tensor:
+        """This rank's part of one forward (the logits are whole on rank 0 only)."""
+        inputs, rows = step.model_input(self.kv_cache.block_size, self.device)
+        out: torch.Tensor = self.model(inputs.input_ids, inputs.positions, inputs.layout, rows)
+        return out
+
+    def describe_rank(self) -> dict[str, int]:
+        """This rank's part: its KV cache (block count, own KV heads) and its shard sizes."""
+        return {
+            "rank": self.plan.rank,
+            "num_blocks": self.kv_cache.num_blocks,
+            "num_kv_heads": self.kv_cache.layout.num_kv_heads,
+            "first_kv_head": self.plan.kv_heads.start,
+            "num_heads": len(self.plan.q_heads),
+            "vocab_rows": self.model.embed_tokens.weight.shape[0],
+        }
+
+    def free(self) -> None:
+        """Drop this rank's KV cache (the weights go with the object)."""
+        TorchBackend.close(self)
+
+
+def _kv_blocks_that_fit(
+    shard: Any, config: TorchBackendConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """The KV blocks this rank's budget holds for its own KV heads (as TorchBackend plans)."""
+    hf_config = shard.config
+    layout = KVLayout(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=shard.model.layers[0].self_attn.head_dim,
+        block_size=config.block_size,
+        dtype=dtype,
+    )
+    budget = kv_budget_bytes(device, config.kv_cache_gb, config.kv_cache_fraction)
+    max_model_len = config.max_model_len or hf_config.max_position_embeddings
+    return plan_num_blocks(layout, budget, max_model_len, config.max_num_seqs)
