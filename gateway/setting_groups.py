@@ -22,6 +22,11 @@ from gateway.policy_options import check_policy_options, check_scheduler, policy
 DEFAULT_MODEL = "default"
 
 
+def torch_only() -> dict[str, Any]:
+    """`json_schema_extra` of a setting only the torch backend honours (the sim refuses it)."""
+    return {"torch_only": True}
+
+
 def per_arm() -> dict[str, Any]:
     """`json_schema_extra` of a field outside the per-arm groups that an arm may override."""
     return {"per_arm": True}
@@ -38,25 +43,35 @@ class ModelSettings(BaseModel):
         "torch", description="torch (the real model) or sim (a weight-free cost model)",
         json_schema_extra=per_arm(),
     )  # fmt: skip
-    device: str | None = Field(None, description="cuda, cuda:1, cpu (default: cuda if available)")
-    dtype: str | None = Field(None, description="bfloat16, float16, float32 (default: per device)")
+    device: str | None = Field(
+        None, description="cuda, cuda:1, cpu (default: cuda if available)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
+    dtype: str | None = Field(
+        None, description="bfloat16, float16, float32 (default: per device)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
     max_model_len: int | None = Field(
         None, ge=1, description="context window in tokens (default: the model's)"
     )
     prepack_weights: bool = Field(
-        True, description="CPU: a prepacked weight copy for decode-sized matmuls"
-    )
+        True, description="CPU: a prepacked weight copy for decode-sized matmuls",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
     attention_backend: str = Field(
         "auto",
         description="attention kernels: auto, sdpa, inductor_paged, cpu_paged (see the quickstart)",
+        json_schema_extra=torch_only(),
     )
     cpu_kernels: bool = Field(
         True,
         description="CPU: Carousel's AVX-512 decode kernels (matmuls, attention) where they build",
+        json_schema_extra=torch_only(),
     )
     compile: bool = Field(
-        False, description="torch.compile the dense part of each layer at start-up (C++ compiler)"
-    )
+        False, description="torch.compile the dense part of each layer at start-up (C++ compiler)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
     sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")
@@ -67,8 +82,9 @@ class CacheSettings(BaseModel):
 
     block_size: int = Field(16, ge=1, description="KV block size in tokens")
     kv_cache_gb: float | None = Field(
-        None, gt=0, description="KV cache size in GiB (default: planned from the device)"
-    )
+        None, gt=0, description="KV cache size in GiB (default: planned from the device)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV of full blocks of earlier prompts and outputs"
     )
@@ -117,8 +133,9 @@ class EngineSettings(BaseModel):
         None, ge=1, description="400 above this many prompt tokens (default: the context)"
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, description="torch: split the model over this many ranks (docs/parallelism.md)"
-    )
+        1, ge=1, description="torch: split the model over this many ranks (docs/parallelism.md)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
 
 
 class ServerSettings(BaseModel):
@@ -205,24 +222,22 @@ def per_arm_names() -> list[str]:
     return [*extra, *names, *policy_option_names()]
 
 
-#: the settings only the torch backend honours, at their defaults (sim refuses a change)
-TORCH_ONLY_DEFAULTS: dict[str, Any] = {
-    "device": None,
-    "dtype": None,
-    "kv_cache_gb": None,
-    "prepack_weights": True,
-    "attention_backend": "auto",
-    "cpu_kernels": True,
-    "compile": False,
-    "tensor_parallel_size": 1,
-}
+def torch_only_defaults() -> dict[str, Any]:
+    """The settings only the torch backend honours (`torch_only`), at their defaults."""
+    return {
+        name: info.default
+        for group in GROUPS
+        for name, info in group_fields(group)
+        if (info.json_schema_extra or {}).get("torch_only")  # type: ignore[union-attr]
+    }
 
 
 def unhonoured_settings(settings: BaseModel) -> list[str]:
     """The settings given a value that `settings.backend` would ignore."""
-    values = {name: getattr(settings, name) for name in (*TORCH_ONLY_DEFAULTS, "backend")}
+    defaults = torch_only_defaults()
+    values = {name: getattr(settings, name) for name in (*defaults, "backend")}
     if values["backend"] == "sim":
-        return [k for k, v in TORCH_ONLY_DEFAULTS.items() if values[k] != v]
+        return [k for k, v in defaults.items() if values[k] != v]
     if values["tensor_parallel_size"] > 1 and values["compile"]:
         return ["compile"]  # NOTE: as TorchBackendConfig refuses it (backends/torch/config.py)
     return []

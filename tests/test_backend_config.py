@@ -17,7 +17,7 @@ from gateway.engine_factory import (
     sim_options,
     torch_backend_config,
 )
-from gateway.setting_groups import PER_ARM_GROUPS, TORCH_ONLY_DEFAULTS, group_fields
+from gateway.setting_groups import PER_ARM_GROUPS, group_fields, torch_only_defaults
 from gateway.settings import Settings
 
 #: local-arm settings that configure no engine part: which backend, the served name, the policy
@@ -99,8 +99,9 @@ def test_the_torch_config_is_built_once_and_frozen() -> None:
         config.block_size = 4  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("name", sorted(TORCH_ONLY_DEFAULTS))
+@pytest.mark.parametrize("name", sorted(torch_only_defaults()))
 def test_the_sim_refuses_each_torch_only_setting_naming_it(name: str) -> None:
+    assert {"compile", "device", "tensor_parallel_size"} <= set(torch_only_defaults())
     with pytest.raises(ValidationError, match=rf"sim cannot honour {name}\b"):
         Settings(backend="sim", **{name: other_value(name)})  # type: ignore[arg-type]
 
