@@ -489,7 +489,7 @@ def test_norm_kernels_reject_mismatched_inputs() -> None:
 def test_rotary_write_kv_is_hfs_rotary_and_a_cache_write(
     dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int
 ) -> None:
-    from backends.torch.model import rotate_half
+    from backends.torch.attention.rotary import rotate_half
 
     assert KERNELS is not None
     torch.manual_seed(head_dim)

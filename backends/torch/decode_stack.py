@@ -1,6 +1,6 @@
 """A decode-only step's decoder layers in one native call (cpu_kernels' `DecodeStack`).
 
-`PagedCausalLM._fused_layers` calls nine of Carousel's CPU kernels per layer from Python;
+`PagedCausalLM._eager_layers` calls nine of Carousel's CPU kernels per layer from Python;
 at SmolLM2's 30 layers the Python between those calls was about 2 ms of a bf16 step, a
 quarter of it at one sequence (docs/benchmarks.md, issue 15). `DecodeStack` holds every
 layer's packed weights, norms and K/V cache tensors once and calls the same kernels in the
@@ -45,8 +45,8 @@ class NativeDecodeLayers:
     ) -> NativeDecodeLayers | None:
         """One over these layers, or None where some layer is not all Carousel's kernels.
 
-        The caller vouches that rotary and the K/V write can be `rotary_write_kv` (model.py's
-        `_fused_rotary`); decodes must go to cpu_paged's kernel.
+        The caller vouches that rotary and the K/V write can be `rotary_write_kv` (every
+        layer's rotary op took that kernel); decodes must go to cpu_paged's kernel.
         """
         if kernels is None or plan is None or not linears:
             return None

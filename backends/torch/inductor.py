@@ -17,12 +17,12 @@ import shutil
 import threading
 from collections.abc import Iterable
 
-import structlog
 import torch
 
 from backends.torch.loader import cache_dir
+from backends.torch.logs import engine_log
 
-log = structlog.get_logger("carousel.engine")
+log = engine_log()
 
 _lock = threading.Lock()
 _configured = False

@@ -12,26 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from backends.torch import cpu_kernels as native_kernels
-from backends.torch import inductor, inputs
+from backends.torch import inductor, inputs, kernels
 from backends.torch.attention import create_backend
-from backends.torch.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    AttentionSpec,
-    BatchLayout,
-)
+from backends.torch.attention.base import AttentionMetadata, AttentionSpec, BatchLayout
+from backends.torch.attention.rotary import RotaryWriteKV
 from backends.torch.config import TorchBackendConfig
 from backends.torch.decode_stack import NativeDecodeLayers
 from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
+from backends.torch.layers.activation import GateUpSilu
+from backends.torch.layers.layernorm import RMS_NORMS, RMSNorm
 from backends.torch.loader import check_architecture
 from backends.torch.packed import (
     GateUp,
@@ -85,11 +84,6 @@ class _LayerLinears:
         )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _sliding_window(attn: nn.Module, config: object) -> int | None:
     """Per-layer window (Qwen2/3 set it on the module), else the config's (Mistral)."""
     window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
@@ -114,29 +108,36 @@ def attention_specs(hf_model: PreTrainedModel) -> list[AttentionSpec]:
     return specs
 
 
-#: the norm modules whose formula is `rms_norm`'s (LlamaRMSNorm: weight * x / rms(x))
-_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), (N, 1, hd) each
+#: a forward over every decoder layer: (hidden, rope, meta) -> hidden
+LayerStack = Callable[[torch.Tensor, Rope, AttentionMetadata], torch.Tensor]
 
 
-def _dense_kernels(hf_model: PreTrainedModel) -> Any:
-    """Carousel's CPU norm and activation kernels, where they compute what this model's own
+def _dense_kernels(hf_model: PreTrainedModel) -> ModuleType | None:
+    """The compiled kernels the layer ops may take, where they compute what this model's own
     modules do (an RMSNorm of the Llama kind, SiLU in the MLP, fp32 or bf16 on CPU); else None.
     """
     weight = hf_model.lm_head.weight
-    if weight.device.type != "cpu" or weight.dtype not in native_kernels.DTYPES:
+    if weight.device.type != "cpu" or not kernels.computes(weight.dtype):
         return None
     if getattr(hf_model.config, "hidden_act", None) != "silu":
         return None
     norms = [m for layer in hf_model.model.layers
              for m in (layer.input_layernorm, layer.post_attention_layernorm)]  # fmt: skip
     norms.append(hf_model.model.norm)
-    if not all(type(m).__name__ in _RMS_NORMS and m.weight.dtype == weight.dtype for m in norms):
+    if not all(type(m).__name__ in RMS_NORMS and m.weight.dtype == weight.dtype for m in norms):
         return None
-    return native_kernels.native()
+    return kernels.native()
 
 
 class PagedCausalLM:
-    """The forward pass of a Llama/Mistral/Qwen2/Qwen3 HF model over a paged KV cache."""
+    """The forward pass of a Llama/Mistral/Qwen2/Qwen3 HF model over a paged KV cache.
+
+    Each layer op (norm with residual, linear, gate-up-SiLU, rotary with the K/V write,
+    attention) chose its implementation when the model loaded (layers/, attention/), and so
+    did the stack of decoder layers (`run_layers`: eager, the native decode stack, or the
+    compiled graph): the forward has one path.
+    """
 
     def __init__(
         self,
@@ -157,6 +158,7 @@ class PagedCausalLM:
         self.rotary_emb = base.rotary_emb
         self.specs = attention_specs(hf_model)
         weight = hf_model.lm_head.weight
+        self.device = weight.device
         plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels)
         plan = plan if config.prepack_weights else None
         self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
@@ -172,30 +174,57 @@ class PagedCausalLM:
         self.attention = create_backend(
             config.attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
         )
-        self._norms = [
-            (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
-             layer.post_attention_layernorm.weight,
-             float(layer.post_attention_layernorm.variance_epsilon))
-            for layer in self.layers
-        ] if self.dense_kernels is not None else []  # fmt: skip
-        self._final_eps = float(getattr(self.norm, "variance_epsilon", 0.0))
-        # NOTE: the kernel writes the shared cache layout itself: only for backends that
-        # store K/V as the base class does, and only where no per-head norm precedes rotary
-        self._fused_rotary = (
-            self.dense_kernels is not None
-            and type(self.attention).write_kv is AttentionBackend.write_kv
-            and not any(hasattr(layer.self_attn, "q_norm") for layer in self.layers)
-            and all(spec.head_dim % 2 == 0 for spec in self.specs)
-        )
+        self.final_norm = RMSNorm(self.norm, self.device, self.dense_kernels)
+        self._build_ops()
+        self.compiled = False  # see enable_compiled
         # decode-only steps: every layer in one native call (decode_stack.py)
         self.native_layers = (
             NativeDecodeLayers.build(
-                self.dense_kernels, self.linears, self._norms, self.specs, self.attention, plan
+                self.dense_kernels, self.linears, self._norms(), self.specs, self.attention, plan
             )
-            if config.native_layers is not False and self._fused_rotary
+            if config.native_layers is not False and all(op.uses_kernels for op in self.rotary)
             else None
         )
-        self.compiled = False  # see enable_compiled
+
+    def _build_ops(self) -> None:
+        """Each layer's ops, their implementations chosen here, once."""
+        device, dense = self.device, self.dense_kernels
+        self.input_norms = [RMSNorm(layer.input_layernorm, device, dense) for layer in self.layers]
+        self.post_norms = [
+            RMSNorm(layer.post_attention_layernorm, device, dense) for layer in self.layers
+        ]
+        self.rotary = [
+            RotaryWriteKV(index, layer.self_attn, spec, self.attention, device, dense)
+            for index, (layer, spec) in enumerate(zip(self.layers, self.specs, strict=True))
+        ]
+        self.mlp_act = [GateUpSilu(layer.mlp.act_fn, device, dense) for layer in self.layers]
+
+    def _norms(self) -> list[tuple[torch.Tensor, float, torch.Tensor, float]]:
+        """Each layer's (input norm weight, eps, post-attention norm weight, eps)."""
+        return [
+            (pre.weight, pre.eps, post.weight, post.eps)
+            for pre, post in zip(self.input_norms, self.post_norms, strict=True)
+        ]
+
+    @property
+    def native_layers(self) -> NativeDecodeLayers | None:
+        """The native decode stack, or None (tensor parallelism and `close` drop it)."""
+        return self._native_layers
+
+    @native_layers.setter
+    def native_layers(self, stack: NativeDecodeLayers | None) -> None:
+        self._native_layers = stack
+        self._choose_layers()
+
+    def _choose_layers(self) -> None:
+        """Pick the implementation of the decoder-layer stack, once per change of set-up."""
+        self.run_layers: LayerStack
+        if self.compiled:
+            self.run_layers = self._compiled_layers
+        elif self._native_layers is not None:
+            self.run_layers = self._native_decode_layers
+        else:
+            self.run_layers = self._eager_layers
 
     def compilable(self) -> bool:
         """Whether the compiled layer (dense.py) can run this model here; logs why not."""
@@ -220,52 +249,60 @@ class PagedCausalLM:
         hidden = self.embed_tokens(input_ids)  # (N, H)
         cos, sin = self.rotary_emb(hidden, positions[None])  # (1, N, hd) each
         rope = (cos[0, :, None, :], sin[0, :, None, :])  # (N, 1, hd): broadcast over heads
-        native = self.native_layers
-        if self.compiled:
-            hidden = self._compiled_layers(hidden, rope, meta)
-        elif native is not None and native.takes(hidden, meta, self.linears):
-            hidden = native(hidden, rope, meta)
-        elif self.dense_kernels is not None:
-            hidden = self._fused_layers(hidden, rope, meta)
-        else:
-            for layer_idx, layer in enumerate(self.layers):
-                attn_in = layer.input_layernorm(hidden)
-                hidden = hidden + self._attention(layer_idx, attn_in, rope, meta)
-                hidden = hidden + self._mlp(layer_idx, layer.post_attention_layernorm(hidden))
+        hidden = self.run_layers(hidden, rope, meta)
         last = layout.cu_seqlens_q[1:] - 1  # (B,)
         if logits_indices is not None:
             last = last[logits_indices]
         # NOTE: the final norm is per token, so norming only the rows we need is identical.
-        rows = hidden[last]
-        if self.dense_kernels is not None:
-            normed = self.dense_kernels.rms_norm(rows, self.norm.weight, self._final_eps)
-        else:
-            normed = self.norm(rows)
-        return self.lm_head_linear(normed)  # (B', V)
+        return self.lm_head_linear(self.final_norm(hidden[last]))  # (B', V)
 
     __call__ = forward
 
-    def _fused_layers(
+    def _eager_layers(
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The eager layers with each residual add and the norm after it as one CPU kernel.
+        """Every decoder layer op by op; each residual add is folded into the norm after it.
 
         `hidden` (fresh from the embedding) is the residual stream, updated in place.
         """
-        kernels, norms = self.dense_kernels, self._norms
-        assert kernels is not None
-        x = kernels.rms_norm(hidden, norms[0][0], norms[0][1])
-        for layer_idx in range(len(norms)):
-            _, _, post_weight, post_eps = norms[layer_idx]
-            attn_out = self._attention(layer_idx, x, rope, meta)
-            x = kernels.add_rms_norm(hidden, attn_out, post_weight, post_eps)
+        num_layers = len(self.layers)
+        x = self.input_norms[0](hidden)
+        for layer_idx in range(num_layers):
+            x = self.post_norms[layer_idx](self._attention(layer_idx, x, rope, meta), hidden)
             mlp_out = self._mlp(layer_idx, x)
-            if layer_idx + 1 < len(norms):
-                next_weight, next_eps = norms[layer_idx + 1][:2]
-                x = kernels.add_rms_norm(hidden, mlp_out, next_weight, next_eps)
+            if layer_idx + 1 < num_layers:
+                x = self.input_norms[layer_idx + 1](mlp_out, hidden)
             else:
                 hidden += mlp_out
         return hidden
+
+    def _native_decode_layers(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """A decode-only step in the native stack's one call; any other step eager."""
+        native = self._native_layers
+        if native is not None and native.takes(hidden, meta, self.linears):
+            return native(hidden, rope, meta)
+        return self._eager_layers(hidden, rope, meta)
+
+    def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer_idx`'s MLP output (N, H) through its current linears."""
+        lin = self.linears[layer_idx]
+        return lin.down(self.mlp_act[layer_idx](x, lin.gate, lin.up, lin.gate_up))
+
+    def _attention(
+        self,
+        layer_idx: int,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Layer `layer_idx`'s attention block output (N, H), K/V stored in the cache."""
+        n = x.shape[0]
+        qkv = self.linears[layer_idx].qkv(x)  # (N, q + 2 * kv)
+        q, k, v = self.rotary[layer_idx](qkv, *rope, meta)
+        out = self.attention.attend(layer_idx, q, k, v, meta)  # (N, nh, hd)
+        return self.linears[layer_idx].o_proj(out.view(n, -1))  # (N, H)
 
     def _compiled_layers(
         self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -307,6 +344,7 @@ class PagedCausalLM:
         eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self._layer_shape = dense.LayerShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, eps)
         self.compiled = True
+        self._choose_layers()
         began = time.monotonic()
         inductor.log.info("compiling the decoder layer (torch.compile, Inductor)")
         try:
@@ -315,6 +353,7 @@ class PagedCausalLM:
         except Exception:  # a compiler failure must not keep the server from starting
             inductor.log.exception("compiling the decoder layer failed; running it eager")
             self.compiled = False
+            self._choose_layers()
             return
         inductor.log.info("decoder layer compiled", seconds=round(time.monotonic() - began, 1))
 
@@ -342,48 +381,3 @@ class PagedCausalLM:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device)
         self.forward(ids, positions, batch_layout)
-
-    def _mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
-        lin = self.linears[layer_idx]
-        if lin.gate_up is not None and lin.gate_up.takes(x):
-            return lin.down(lin.gate_up(x))
-        if self.dense_kernels is not None:
-            return lin.down(self.dense_kernels.silu_mul(lin.gate(x), lin.up(x)))
-        return lin.down(self.layers[layer_idx].mlp.act_fn(lin.gate(x)) * lin.up(x))
-
-    def _attention(
-        self,
-        layer_idx: int,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.layers[layer_idx].self_attn
-        spec = self.specs[layer_idx]
-        n, hd, nh, nkv = x.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
-        qkv = self.linears[layer_idx].qkv(x)  # (N, q + 2 * kv)
-        q_size, qk_size = nh * hd, (nh + nkv) * hd
-        v = qkv[:, qk_size:].view(n, nkv, hd)  # (N, nkv, hd)
-        cos, sin = rope
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before rotary
-            q = attn.q_norm(qkv[:, :q_size].view(n, nh, hd))
-            k = attn.k_norm(qkv[:, q_size:qk_size].view(n, nkv, hd))
-            q = q * cos + rotate_half(q) * sin  # (N, nh, hd)
-            k = k * cos + rotate_half(k) * sin  # (N, nkv, hd)
-        elif self._fused_rotary:  # rotary in place and K/V into the cache, one kernel
-            assert self.dense_kernels is not None
-            self.dense_kernels.rotary_write_kv(
-                qkv, cos[:, 0], sin[:, 0], self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx],
-                meta.layout.slot_mapping, nh, nkv,
-            )  # fmt: skip
-            q = qkv[:, :q_size].view(n, nh, hd)
-            k = qkv[:, q_size:qk_size].view(n, nkv, hd)
-            out = self.attention.attend(layer_idx, q, k, v, meta)  # (N, nh, hd)
-            return self.linears[layer_idx].o_proj(out.view(n, q_size))  # (N, H)
-        else:  # one rotary over the Q and K heads together
-            qk = qkv[:, :qk_size].view(n, nh + nkv, hd)
-            qk = qk * cos + rotate_half(qk) * sin
-            q, k = qk[:, :nh], qk[:, nh:]
-        self.attention.write_kv(layer_idx, k, v, meta)
-        out = self.attention.attend(layer_idx, q, k, v, meta)  # (N, nh, hd)
-        return self.linears[layer_idx].o_proj(out.view(n, q_size))  # (N, H)

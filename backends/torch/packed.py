@@ -2,7 +2,7 @@
 
 Where Carousel's own CPU kernels build (AVX-512 with BF16, or AVX2; backends/torch/cpu_kernels),
 fp32 and bf16 weights are packed into their 64-row tiles and decode-sized calls go to
-`cpu_kernels.native().linear`, which streams each weight once: all SmolLM2 projections in
+`kernels.native().linear`, which streams each weight once: all SmolLM2 projections in
 turn, from memory, on the 2-core EPYC (ms, ours vs oneDNN's prepacked path): bf16 1 row
 3.6 vs 6.1, 8 rows 5.5 vs 7.7, 64 rows 19.5 vs 22.3; fp32 1 row 7.2 vs 10.6, 8 rows 10.1 vs
 12.0, 64 rows 35.1 vs 39.5 (issue 15, fourth pass). Elsewhere, oneDNN's prepacked path:
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from backends.torch import cpu_kernels
+from backends.torch import kernels
 
 ONEDNN = "onednn"
 NATIVE = "native"  # backends/torch/cpu_kernels
@@ -77,8 +77,8 @@ def pack_plan(device: torch.device, dtype: torch.dtype, *, native: bool = True) 
     """
     if device.type != "cpu":
         return None
-    if native and dtype in cpu_kernels.DTYPES and cpu_kernels.native() is not None:
-        amx = dtype == torch.bfloat16 and cpu_kernels.amx_on()
+    if native and kernels.computes(dtype):
+        amx = dtype == torch.bfloat16 and kernels.amx_on()
         return _NATIVE_AMX_PLAN if amx else _NATIVE_PLAN
     if not onednn_packs(dtype):
         return None
@@ -117,15 +117,15 @@ class Linear:
         self.packed: torch.Tensor | None = None
         self.packed_bias: torch.Tensor | None = None
         self.native: Any = None
-        if plan is not None and plan.kernel == NATIVE and not cpu_kernels.packable(weight):
+        if plan is not None and plan.kernel == NATIVE and not kernels.packable(weight):
             self.plan = plan = None
         if plan is not None and plan.kernel == NATIVE:
-            self.native = cpu_kernels.native()
+            self.native = kernels.native()
             if self.native is None:
                 raise RuntimeError("a native pack plan without Carousel's CPU kernels")
             with torch.no_grad():
-                self.packed = cpu_kernels.pack_weight(weight)
-                self.packed_bias = cpu_kernels.pack_bias(bias, self.out_features)
+                self.packed = kernels.pack_weight(weight)
+                self.packed_bias = kernels.pack_bias(bias, self.out_features)
         elif plan is not None:
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(
@@ -190,12 +190,12 @@ class GateUp:
         self.plan = plan
         self.out_features = gate.shape[0]
         self.sources = (_source(gate), _source(up))
-        kernels = cpu_kernels.native()
-        if kernels is None:
+        native = kernels.native()
+        if native is None:
             raise RuntimeError("GateUp without Carousel's CPU kernels")
-        self.kernels = kernels
+        self.kernels = native
         with torch.no_grad():
-            self.packed = cpu_kernels.pack_gate_up(gate, up)
+            self.packed = kernels.pack_gate_up(gate, up)
 
     def takes(self, x: torch.Tensor) -> bool:
         return self.plan.min_rows <= x.shape[0] <= self.plan.max_rows
@@ -209,10 +209,10 @@ def fusable_gate_up(plan: PackPlan | None, gate: torch.Tensor, up: torch.Tensor)
     return (
         plan is not None
         and plan.kernel == NATIVE
-        and cpu_kernels.native() is not None
+        and kernels.native() is not None
         and gate.shape == up.shape
         and gate.dtype == up.dtype
-        and cpu_kernels.packable(gate)
+        and kernels.packable(gate)
     )
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from backends.torch import cpu_kernels as cpu_kernels_module
+from backends.torch import kernels
 from backends.torch.grammar_mask import GrammarMask
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
@@ -168,10 +168,10 @@ def _argmax_of(device: torch.device, cpu_kernels: bool) -> Callable[[torch.Tenso
     """Row argmax: Carousel's CPU kernel where it runs (torch's took 0.5 ms for 32 x 49152
     fp32 logits on the 2-core CPU, single-threaded), else `torch.argmax`; both give the first
     index of the maximum (a NaN counting as the maximum)."""
-    kernels = cpu_kernels_module.native() if cpu_kernels and device.type == "cpu" else None
-    if kernels is None:
+    native = kernels.native() if cpu_kernels and device.type == "cpu" else None
+    if native is None:
         return lambda logits: logits.argmax(dim=-1)
-    return kernels.argmax  # type: ignore[no-any-return]
+    return native.argmax  # type: ignore[no-any-return]
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from backends.torch import cpu_kernels
+from backends.torch import kernels
 from backends.torch.attention.base import AttentionBackend, AttentionSpec
 from backends.torch.kv_cache import KVCache
 
@@ -57,7 +57,7 @@ def available_backends(device: torch.device) -> list[str]:
     names = [n for n, e in _BACKENDS.items() if device.type in e.devices]
     if not inductor.compiler_available():
         names = [n for n in names if not n.startswith("inductor")]
-    if "cpu_paged" in names and cpu_kernels.native() is None:
+    if "cpu_paged" in names and kernels.native() is None:
         names.remove("cpu_paged")
     return names
 
@@ -74,7 +74,7 @@ def resolve_name(
         if (
             native
             and device.type == "cpu"
-            and dtype in cpu_kernels.DTYPES
+            and kernels.computes(dtype)
             and "cpu_paged" in available_backends(device)
         ):
             return "cpu_paged"
@@ -87,9 +87,9 @@ def resolve_name(
         raise ValueError(
             f"attention backend {name!r} runs on {', '.join(entry.devices)}, not {device.type}"
         )
-    if name == "cpu_paged" and cpu_kernels.native() is None:
+    if name == "cpu_paged" and kernels.native() is None:
         raise ValueError(
-            f"attention backend 'cpu_paged' needs Carousel's CPU kernels: {cpu_kernels.why_off()}"
+            f"attention backend 'cpu_paged' needs Carousel's CPU kernels: {kernels.why_off()}"
         )
     return name
 
@@ -106,11 +106,11 @@ def create_backend(
     dtype = kv_cache.k[0].dtype if kv_cache.k else None
     resolved = resolve_name(name, device, dtype, native=native)
     widest = max((spec.head_dim for spec in layers), default=0)
-    if resolved == "cpu_paged" and widest > cpu_kernels.MAX_HEAD_DIM:
+    if resolved == "cpu_paged" and widest > kernels.max_head_dim():
         if name != AUTO:
             raise ValueError(
                 f"attention backend 'cpu_paged' supports head sizes up to "
-                f"{cpu_kernels.MAX_HEAD_DIM}, not {widest}"
+                f"{kernels.max_head_dim()}, not {widest}"
             )
         resolved = "sdpa"
     module_name, _, class_name = _BACKENDS[resolved].target.partition(":")

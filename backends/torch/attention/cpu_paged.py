@@ -1,7 +1,7 @@
 """Decodes through Carousel's own CPU kernel, reading K/V in place from the paged cache.
 
 Prefills run as in `sdpa` (one SDPA call per sequence). Decodes (one new token each) go to
-`cpu_kernels.native().decode_attention`: one task per sequence (per (sequence, K/V head)
+`kernels.native().decode_attention`: one task per sequence (per (sequence, K/V head)
 when there are too few sequences for the threads) walks the sequence's block table in
 groups of 16 keys, one K/V head at a time: the 16 scores of each query head come out of one
 transposing sum, and the values are summed into accumulators held in registers, in fp32.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.torch import cpu_kernels
+from backends.torch import kernels
 from backends.torch.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -47,13 +47,13 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
 
     def __init__(self, kv_cache: KVCache, layers: Sequence[AttentionSpec]) -> None:
         super().__init__(kv_cache, layers)
-        kernels = cpu_kernels.native()
-        if kernels is None:
-            raise RuntimeError(f"cpu_paged needs Carousel's CPU kernels: {cpu_kernels.why_off()}")
+        native = kernels.native()
+        if native is None:
+            raise RuntimeError(f"cpu_paged needs Carousel's CPU kernels: {kernels.why_off()}")
         dtype = kv_cache.k[0].dtype
-        if dtype not in cpu_kernels.DTYPES:
+        if not kernels.computes(dtype):
             raise ValueError(f"cpu_paged runs float32 and bfloat16, not {dtype}")
-        self.kernel = kernels.decode_attention
+        self.kernel = native.decode_attention
         self.windows = sorted({spec.sliding_window for spec in layers}, key=str)
 
     def build_metadata(self, layout: BatchLayout) -> CpuPagedMetadata:

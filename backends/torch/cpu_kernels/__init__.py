@@ -65,13 +65,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-import structlog
 import torch
 import torch.nn.functional as F
 
 from backends.torch.loader import cache_dir
+from backends.torch.logs import engine_log
 
-log = structlog.get_logger("carousel.engine")
+log = engine_log()
 
 MODULE = "carousel_cpu_kernels"
 CSRC = Path(__file__).with_name("csrc")

@@ -1,0 +1,92 @@
+"""The one import point of compiled kernels: ops and backends ask here, never a build package.
+
+A compiled-kernel package registers itself with one line of `_PROVIDERS` (device type ->
+module). Where it is missing (deleted, hidden, not importable) or cannot run here, `native()`
+is None and every op keeps its `forward_native` (torch's own kernels). Importing this module
+imports no kernel package: the first call that needs one does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+_PROVIDERS = {
+    "cpu": "backends.torch.cpu_kernels",
+}
+
+
+def _package(device_type: str = "cpu") -> ModuleType | None:
+    """The registered kernel package for `device_type`, or None where there is none."""
+    name = _PROVIDERS.get(device_type)
+    if name is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def native(device_type: str = "cpu") -> ModuleType | None:
+    """The compiled kernels for `device_type` (built on first use), or None where none run."""
+    package = _package(device_type)
+    return None if package is None else package.native()  # type: ignore[no-any-return]
+
+
+def why_off(device_type: str = "cpu") -> str:
+    """Why `native()` is None."""
+    package = _package(device_type)
+    if package is None:
+        return f"no compiled kernel package for {device_type} is installed"
+    return str(package.why_off())
+
+
+def computes(dtype: torch.dtype | None, device_type: str = "cpu") -> bool:
+    """Whether the compiled kernels for `device_type` run here and compute in `dtype`."""
+    package = _package(device_type)
+    return package is not None and dtype in package.DTYPES and package.native() is not None
+
+
+def max_head_dim(device_type: str = "cpu") -> int:
+    """The widest attention head the compiled decode attention takes (0: none)."""
+    package = _package(device_type)
+    return 0 if package is None else int(package.MAX_HEAD_DIM)
+
+
+def amx_on() -> bool:
+    """Whether the CPU kernels' bf16 linears take AMX tiles here."""
+    package = _package("cpu")
+    return package is not None and bool(package.amx_on())
+
+
+def _cpu_package() -> ModuleType:
+    package = _package("cpu")
+    if package is None:
+        raise RuntimeError(f"Carousel's CPU kernels are not here: {why_off('cpu')}")
+    return package
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether the CPU kernels' `linear` can take this (N, K) weight."""
+    package = _package("cpu")
+    return package is not None and bool(package.packable(weight))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in the CPU kernels' `linear` tile layout."""
+    packed: torch.Tensor = _cpu_package().pack_weight(weight)
+    return packed
+
+
+def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's gate and up weights packed together for `linear_silu_mul`."""
+    packed: torch.Tensor = _cpu_package().pack_gate_up(gate, up)
+    return packed
+
+
+def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """`bias` as the CPU kernels' `linear` takes it."""
+    packed: torch.Tensor | None = _cpu_package().pack_bias(bias, out_features)
+    return packed
