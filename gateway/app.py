@@ -31,23 +31,23 @@ from fastapi import FastAPI
 from starlette.types import Scope
 
 from gateway import carousel_version
-from gateway.auth import APIKeyMiddleware
+from gateway.api.errors import install_error_handlers
+from gateway.api.responses.store import ResponseStore
+from gateway.api.table import BY_PATH
+from gateway.arms.deployment import Deployment, Deployments
+from gateway.arms.factory import deployment_from_settings
 from gateway.context import RequestContext
-from gateway.deployment import Deployment, Deployments
-from gateway.deployment_factory import deployment_from_settings
-from gateway.endpoints import BY_PATH
-from gateway.errors import install_error_handlers
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import (
+from gateway.http.auth import APIKeyMiddleware
+from gateway.http.middleware import (
     Admission,
     BodyLimitMiddleware,
     DrainMiddleware,
     RequestIdMiddleware,
 )
-from gateway.response_store import ResponseStore
-from gateway.routes import router
-from gateway.settings import Settings
-from gateway.traffic_record import TrafficRecorder
+from gateway.http.routes import router
+from gateway.obs.metrics import GatewayMetrics
+from gateway.obs.traffic_record import TrafficRecorder
+from gateway.settings.load import Settings
 
 log = structlog.get_logger("carousel.gateway")
 

@@ -1,6 +1,6 @@
 """`carousel serve | generate | bench`.
 
-The flags are derived from the settings (gateway/settings_cli.py) and given to Settings only
+The flags are derived from the settings (gateway/settings/flags.py) and given to Settings only
 when the user typed them, so the precedence is flags > CAROUSEL_* env > YAML (--config) >
 built-in defaults. Invalid settings are refused before the server starts.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.setting_groups import GROUPS
-from gateway.settings import Settings
-from gateway.settings_cli import add_setting_flags, settings_kwargs
+from gateway.settings.flags import add_setting_flags, settings_kwargs
+from gateway.settings.groups import GROUPS
+from gateway.settings.load import Settings
 
 
 def _add_serve(sub: Any) -> None:
@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import GatewayServer, create_app
-    from gateway.logging import configure_logging
+    from gateway.obs.logging import configure_logging
 
     settings = load_settings(args)
     configure_logging(settings.log_level, settings.log_json)
@@ -126,7 +126,7 @@ def _shut_down(signum: int, frame: FrameType | None) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from gateway.engine_factory import load_backend, scheduler_config
+    from gateway.arms.engine_factory import load_backend, scheduler_config
     from schedulers.llm import LLM
     from schedulers.sampling_params import SamplingParams
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import structlog
 
-from gateway.metrics import GatewayMetrics
-from gateway.response_store import ResponseStore
-from gateway.traffic_record import TrafficEntry, TrafficRecorder
+from gateway.api.responses.store import ResponseStore
+from gateway.obs.metrics import GatewayMetrics
+from gateway.obs.traffic_record import TrafficEntry, TrafficRecorder
 
 log = structlog.get_logger("carousel.gateway")
 

@@ -17,11 +17,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from backends.sim import SimBackend
+from gateway.api.pipeline import ServingOptions
 from gateway.app import create_app
-from gateway.deployment import Deployment
-from gateway.local_arm import LocalArm
-from gateway.serving_common import ServingOptions
-from gateway.settings import Settings
+from gateway.arms.deployment import Deployment
+from gateway.arms.local import LocalArm
+from gateway.settings.load import Settings
 from schedulers.base import SchedulerConfig
 
 SIM_MODEL = "sim-model"

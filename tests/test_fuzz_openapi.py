@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from schemathesis import GenerationMode
 
+from gateway.api.pipeline import ServingOptions
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.app import create_app
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving_common import ServingOptions
-from gateway.settings import Settings
+from gateway.settings.load import Settings
 from tests.conftest import SIM_MODEL, LiveServer, sim_arm, start_server
 
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": 257}  # the simulator's vocabulary

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ("gateway", "schedulers", "backends")
 #: (file, function) pairs allowed to import torch lazily from inside the gateway
-LAZY_TORCH_LOADS = {("gateway/engine_factory.py", "_torch_modules")}
+LAZY_TORCH_LOADS = {("gateway/arms/engine_factory.py", "_torch_modules")}
 
 
 @dataclass(frozen=True)
