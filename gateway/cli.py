@@ -16,11 +16,18 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+import structlog
+import uvicorn
 from pydantic import ValidationError
 
+from gateway.app import GatewayServer, create_app
+from gateway.arms.engine_factory import load_backend, scheduler_config
+from gateway.obs.logging import configure_logging
 from gateway.settings.flags import add_setting_flags, settings_kwargs
 from gateway.settings.groups import GROUPS
 from gateway.settings.load import Settings
+from schedulers.llm import LLM
+from schedulers.sampling_params import SamplingParams
 
 
 def _add_serve(sub: Any) -> None:
@@ -77,12 +84,6 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import structlog
-    import uvicorn
-
-    from gateway.app import GatewayServer, create_app
-    from gateway.obs.logging import configure_logging
-
     settings = load_settings(args)
     configure_logging(settings.log_level, settings.log_json)
     structlog.get_logger("carousel.gateway").info(
@@ -126,10 +127,6 @@ def _shut_down(signum: int, frame: FrameType | None) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from gateway.arms.engine_factory import load_backend, scheduler_config
-    from schedulers.llm import LLM
-    from schedulers.sampling_params import SamplingParams
-
     settings = load_settings(args)
     backend = load_backend(settings)
     prompt: str = args.prompt

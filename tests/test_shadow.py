@@ -18,7 +18,8 @@ from starlette.routing import Route
 
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app
-from gateway.arms.deployment import Arm, Deployment
+from gateway.arms.arm import Arm
+from gateway.arms.deployment import Deployment
 from gateway.arms.shadow import ShadowMirror, mirrored
 from gateway.arms.upstream import UpstreamArm
 from gateway.settings.load import Settings

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from backends.sim import SimBackend
 from gateway.api.pipeline import ServingOptions
 from gateway.settings.load import Settings
 from schedulers.backend import Backend
@@ -76,8 +77,6 @@ def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Ba
     backend's keyword arguments are the settings of the same names.
     """
     if settings.backend == "sim":
-        from backends.sim import SimBackend
-
         return SimBackend(
             num_blocks=settings.sim_num_blocks,
             block_size=settings.block_size,

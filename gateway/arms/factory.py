@@ -8,7 +8,8 @@ the device too: see docs/ab-testing.md for when a live split is a fair compariso
 from __future__ import annotations
 
 from backends.upstream import UpstreamConfig
-from gateway.arms.deployment import Arm, Deployment
+from gateway.arms.arm import Arm
+from gateway.arms.deployment import Deployment
 from gateway.arms.engine_factory import (
     SharedWeights,
     load_backend,

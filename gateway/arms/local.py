@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gateway.api.endpoint import Endpoint
+from gateway.api.endpoint import Endpoint, Reply
 from gateway.api.pipeline import EngineRuntime, ServingOptions
-from gateway.arms.deployment import Arm, Reply
+from gateway.arms.arm import Arm
 from gateway.context import RequestContext
 from gateway.obs.metrics import ArmGauges, ArmInfo, GatewayMetrics, local_device_group
 from schedulers.backend import Backend

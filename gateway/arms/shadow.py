@@ -22,22 +22,19 @@ import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from gateway.api.endpoint import Endpoint
 from gateway.api.errors import APIError
+from gateway.arms.arm import Arm
 from gateway.context import RequestContext
-
-if TYPE_CHECKING:
-    from gateway.arms.deployment import Arm
-    from gateway.obs.metrics import GatewayMetrics
+from gateway.obs.metrics import GatewayMetrics
+from gateway.services import RequestServices
+from gateway.settings.arms import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE
 
 log = structlog.get_logger("carousel.gateway")
-
-DEFAULT_QUEUE_SIZE = 256
-DEFAULT_CONCURRENCY = 32
 
 
 @dataclass(frozen=True)
@@ -124,24 +121,24 @@ class ShadowMirror:
             copy.endpoint.name,
             copy.model,
             connected,
-            metrics=self._metrics,
             stream=bool(copy.body.get("stream")),
             arm=self.arm.name,
         )
         ctx.raw_body = copy.body
+        services = RequestServices(metrics=self._metrics)
         try:
             request = copy.endpoint.request_model.model_validate(copy.body)
             reply = await self.arm.serve(copy.endpoint, request, ctx)
             if not isinstance(reply, dict):
                 await _drain(reply)
         except APIError as exc:
-            ctx.finish(exc.status_code, exc.message)
+            services.finish(ctx, exc.status_code, exc.message)
             return
         except Exception as exc:
-            ctx.finish(500, repr(exc))
+            services.finish(ctx, 500, repr(exc))
             raise
         self.served += 1
-        ctx.finish(200)
+        services.finish(ctx, 200)
 
 
 async def _drain(stream: AsyncIterator[str]) -> None:

@@ -9,7 +9,8 @@ line (`RequestContext.finish`).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -26,9 +27,7 @@ from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
 from gateway.http.sse import SSEResponse
 from gateway.http.stored_responses import stored_responses
 from gateway.obs.metrics import CONTENT_TYPE
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
+from gateway.state import GatewayState
 
 router = APIRouter()
 v1 = APIRouter(prefix="/v1")
@@ -63,15 +62,14 @@ def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 async def _serve(request: Request, endpoint: Endpoint) -> Response:
     state = _state(request)
+    services = state.services
     ctx = RequestContext(
         request_id=request.state.request_id,
         engine_request_id=request.state.engine_request_id,
         endpoint=endpoint.name,
         model="",
         is_disconnected=request.is_disconnected,
-        metrics=state.metrics,
         log_prompts=state.settings.log_prompts,
-        recorder=state.recorder,
         path=endpoint.path,
         response_store=state.response_store,
     )
@@ -87,22 +85,24 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         reply = await arm.serve(endpoint, parsed, ctx)
         ctx.accept()
     except APIError as exc:
-        ctx.finish(exc.status_code, exc.message)
+        services.finish(ctx, exc.status_code, exc.message)
         if ctx.arm is not None:
             exc.headers[ARM_HEADER] = ctx.arm
         raise
     except ClientDisconnected:
-        ctx.finish(CLIENT_CLOSED, "client disconnected")
+        services.finish(ctx, CLIENT_CLOSED, "client disconnected")
         return Response(status_code=CLIENT_CLOSED)
     except Exception as exc:
-        ctx.finish(500, repr(exc))
+        services.finish(ctx, 500, repr(exc))
         raise
     headers = {ARM_HEADER: arm.name}
     if isinstance(reply, dict):
-        ctx.finish(200)
+        services.finish(ctx, 200)
         return JSONResponse(reply, headers=headers)
     ping_s = state.settings.sse_ping_s
-    response = SSEResponse(reply, ctx.finish, ping_s=ping_s, stream_format=endpoint.stream_format)
+    response = SSEResponse(
+        reply, partial(services.finish, ctx), ping_s=ping_s, stream_format=endpoint.stream_format
+    )
     response.headers.update(headers)
     return response
 

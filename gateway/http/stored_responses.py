@@ -10,7 +10,7 @@ store noted as its creator, and an id nobody noted is looked for on every upstre
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 
@@ -20,9 +20,7 @@ from gateway.api.problems import ParamProblem
 from gateway.api.responses.input_items import DEFAULT_LIMIT, input_items_page
 from gateway.api.responses.protocol import deleted_body
 from gateway.api.responses.store import StoredResponse
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
+from gateway.state import GatewayState
 
 stored_responses = APIRouter(prefix="/v1")
 #: what a response id may be made of before it is put into an upstream's URL

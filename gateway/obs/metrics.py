@@ -11,20 +11,40 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from gateway.context import RequestContext
     from schedulers.engine import Engine
     from schedulers.outputs import IterationRecord
     from schedulers.sequence import Sequence
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RequestFacts(Protocol):
+    """What a finished request's series are made of (a `RequestContext` is one)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def arm(self) -> str | None: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def finish_reasons(self) -> list[str]: ...
+    @property
+    def ttft_s(self) -> float | None: ...
+    @property
+    def itl_s(self) -> list[float]: ...
 
 
 @dataclass(frozen=True)
@@ -205,7 +225,7 @@ class GatewayMetrics:
         """Export the traffic record's (written, dropped) line counts, read at scrape time."""
         self.registry.register(_TrafficRecordCollector(counts))
 
-    def observe_request(self, ctx: RequestContext, status: int, total_s: float) -> None:
+    def observe_request(self, ctx: RequestFacts, status: int, total_s: float) -> None:
         labels = (ctx.model or "", ctx.arm or "")
         self.requests.labels(*labels, ctx.endpoint, str(status)).inc()
         if ctx.arm is None:

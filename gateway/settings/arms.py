@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from gateway.arms.shadow import DEFAULT_CONCURRENCY, DEFAULT_QUEUE_SIZE
 from gateway.settings.groups import GROUPS, per_arm_names, unknown_keys_message
 from gateway.settings.policy_options import (
     check_policy_options,
@@ -55,6 +54,10 @@ _ARM_OWN_KEYS = (
     "shadow_queue_size",
     "shadow_concurrency",
 )
+
+#: a shadow arm's default bounded queue of copies, and how many it sends at once
+DEFAULT_QUEUE_SIZE = 256
+DEFAULT_CONCURRENCY = 32
 
 
 class UpstreamSettings(BaseModel):

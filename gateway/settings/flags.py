@@ -19,6 +19,7 @@ from pydantic_core import PydanticUndefined
 
 from gateway.settings.groups import GROUPS, group_fields
 from gateway.settings.policy_options import policy_options
+from schedulers.registry import scheduler_class
 
 _TITLES = {
     "model": "model: which model and how it runs",
@@ -96,8 +97,6 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _owner_options(policy: str) -> type[Any]:
-    from schedulers.registry import scheduler_class
-
     return scheduler_class(policy).Options
 
 
