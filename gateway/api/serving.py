@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from gateway.api.endpoint import Reply
 from gateway.api.outputs.plan import OutputPlan, finish_compile, start_compile
+from gateway.api.payload_stream import PayloadStream
 from gateway.api.pipeline import (
     ChoiceResult,
     EngineRuntime,
@@ -31,7 +32,6 @@ from gateway.api.pipeline import (
     sampling_params,
 )
 from gateway.context import RequestContext
-from gateway.http.sse import PayloadStream
 from schedulers.client import RequestStream
 from schedulers.sampling_params import SamplingParams
 

@@ -21,9 +21,9 @@ from pydantic import BaseModel
 from backends.upstream import UpstreamClient, UpstreamConfig, UpstreamError
 from gateway.api.endpoint import Endpoint, Reply
 from gateway.api.errors import APIError
+from gateway.api.payload_stream import PayloadStream
 from gateway.arms.arm import Arm
 from gateway.context import RequestContext
-from gateway.http.sse import PayloadStream
 from gateway.obs.metrics import ArmInfo, upstream_device_group
 
 

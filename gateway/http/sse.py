@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import structlog
@@ -36,30 +36,6 @@ PING = b": ping\n\n"  # a comment line: clients skip it
 
 
 OnEnd = Callable[[int, str | None], None]
-
-
-class PayloadStream(AsyncIterator[str]):
-    """Chunk payloads from `chunks`; `aclose()` runs `on_close` even if never iterated.
-
-    (Closing an async generator that never started skips its `finally`; an engine request
-    submitted before the first chunk would then run on for nobody.)
-    """
-
-    def __init__(self, chunks: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
-        self._chunks = chunks
-        self._on_close = on_close
-
-    def __aiter__(self) -> PayloadStream:
-        return self
-
-    def __anext__(self) -> Awaitable[str]:  # NOTE: no coroutine of its own per chunk
-        return self._chunks.__anext__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._chunks.aclose()
-        finally:
-            self._on_close()
 
 
 async def _aclose(payloads: object) -> None:
