@@ -109,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
     state = app.state.gateway
     server = GatewayServer(config, state, settings.drain_timeout_s)
     state.on_fatal = lambda: setattr(server, "should_exit", True)
-    state.freeze_gc_when_ready = True  # this process is the server (app.py's _freeze_gc)
+    state.freeze_gc_when_ready = True  # this process is the server (state.py's _freeze_gc)
     # NOTE: the first SIGTERM/SIGINT drains (GatewayServer). uvicorn re-raises the signal
     # that stopped it once it has shut down gracefully; a no-op handler then makes Ctrl-C /
     # docker stop exit 0 instead of dying by the signal.

@@ -1,9 +1,10 @@
 """Schemathesis against the app's own OpenAPI schema: no 5xx, and every error OpenAI-shaped.
 
 The routes read their bodies by hand, so `app.openapi()` has no request bodies for the two
-OpenAI endpoints; the test adds them from the pydantic request models (protocol.py). Both
-positive (schema-valid) and negative (schema-violating, including non-JSON) cases are sent to
-a live loopback server over the simulator. Bounded: at most 100 examples per operation.
+OpenAI endpoints; the test adds them from the pydantic request models
+(gateway/api/protocol.py). Both positive (schema-valid) and negative (schema-violating,
+including non-JSON) cases are sent to a live loopback server over the simulator. Bounded: at
+most 100 examples per operation.
 """
 
 from __future__ import annotations
