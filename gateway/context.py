@@ -8,8 +8,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.api.responses.store import ResponseStore
-
 #: status recorded for a request whose client went away (nginx's convention)
 CLIENT_CLOSED = 499
 
@@ -54,20 +52,11 @@ class RequestContext:
     on_accepted: Callable[[], None] | None = None
     #: the path the traffic record's lines name
     path: str = ""
-    #: where the Responses API keeps `store: true` responses (None: nothing is stored, and
-    #: no `previous_response_id` is found: shadow copies)
-    response_store: ResponseStore | None = None
     #: set by the first `RequestServices.finish` (later calls report nothing)
     finished: bool = False
 
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
-
-    def remember_response(self, response_id: str) -> None:
-        """Note that this request's arm created `response_id` (GET, DELETE and
-        `previous_response_id` are routed to it); nothing without a store."""
-        if self.response_store is not None and self.arm is not None:
-            self.response_store.remember_owner(response_id, self.model, self.arm)
 
     def accept(self) -> None:
         """The arm took the request (it is queued, or its upstream answered): run

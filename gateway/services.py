@@ -1,4 +1,5 @@
-"""What a request reports to when it ends: the access log, the metrics, the traffic record."""
+"""The gateway-wide services a request uses: the access log, the metrics, the traffic record
+and the Responses API's store."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import structlog
 
+from gateway.api.responses.store import ResponseStore
 from gateway.context import RequestContext
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficEntry, TrafficRecorder
@@ -22,6 +24,15 @@ class RequestServices:
     metrics: GatewayMetrics | None = None
     #: the traffic record (`--record-traffic`)
     recorder: TrafficRecorder | None = None
+    #: where the Responses API keeps `store: true` responses (None: nothing is stored, and
+    #: no `previous_response_id` is found: shadow copies)
+    response_store: ResponseStore | None = None
+
+    def remember_response(self, ctx: RequestContext, response_id: str) -> None:
+        """Note that `ctx`'s arm created `response_id` (GET, DELETE and
+        `previous_response_id` are routed to it); nothing without a store."""
+        if self.response_store is not None and ctx.arm is not None:
+            self.response_store.remember_owner(response_id, ctx.model, ctx.arm)
 
     def finish(self, ctx: RequestContext, status: int, error: str | None = None) -> None:
         """Log `ctx` and count it in the metrics (only the first call per request counts)."""

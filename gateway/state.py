@@ -60,8 +60,8 @@ class GatewayState:
 
     @property
     def services(self) -> RequestServices:
-        """What the requests served now report to (the metrics, the traffic record)."""
-        return RequestServices(self.metrics, self.recorder)
+        """What the requests served now use (the metrics, the traffic record, the store)."""
+        return RequestServices(self.metrics, self.recorder, self.response_store)
 
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():

@@ -178,7 +178,7 @@ def test_shutdown_stops_the_engine_thread() -> None:
 async def test_payload_stream_closed_before_its_first_chunk_still_releases() -> None:
     from collections.abc import AsyncGenerator
 
-    from gateway.http.sse import PayloadStream
+    from gateway.api.payload_stream import PayloadStream
 
     released: list[bool] = []
 

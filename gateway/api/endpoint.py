@@ -2,8 +2,9 @@
 stream is framed, and how a local engine serves it.
 
 The table of served endpoints is gateway/api/table.py. An arm serves any of them through
-one method (`Arm.serve(endpoint, request, ctx)`): a local arm runs `endpoint.local`, an
-upstream arm forwards the body to `endpoint.upstream_path` with no per-endpoint code.
+one method (`Arm.serve(endpoint, request, ctx, services)`): a local arm runs
+`endpoint.local`, an upstream arm forwards the body to `endpoint.upstream_path` with no
+per-endpoint code.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 if TYPE_CHECKING:
     from gateway.api.pipeline import EngineRuntime
     from gateway.context import RequestContext
+    from gateway.services import RequestServices
 
 #: a non-streaming reply is the response body; a streaming one yields chunk payloads (JSON)
 Reply: TypeAlias = dict[str, Any] | AsyncIterator[str]
@@ -25,7 +27,9 @@ Reply: TypeAlias = dict[str, Any] | AsyncIterator[str]
 class LocalPipeline(Protocol):
     """How a local engine serves one endpoint's requests."""
 
-    async def __call__(self, runtime: EngineRuntime, request: Any, ctx: RequestContext) -> Reply:
+    async def __call__(
+        self, runtime: EngineRuntime, request: Any, ctx: RequestContext, services: RequestServices
+    ) -> Reply:
         """The reply to `request` (already validated as the endpoint's request model)."""
         ...
 

@@ -32,6 +32,7 @@ from gateway.api.pipeline import (
     sampling_params,
 )
 from gateway.context import RequestContext
+from gateway.services import RequestServices
 from schedulers.client import RequestStream
 from schedulers.sampling_params import SamplingParams
 
@@ -39,17 +40,19 @@ RequestT = TypeVar("RequestT")
 
 
 class LocalEndpoint(abc.ABC, Generic[RequestT]):
-    """How a local engine serves one endpoint; call it as `await endpoint(runtime, req, ctx)`."""
+    """How a local engine serves one endpoint: `await endpoint(runtime, req, ctx, services)`."""
 
     #: the request field that holds the prompt (named by context-length errors)
     prompt_param: str = "prompt"
 
-    async def __call__(self, runtime: EngineRuntime, request: Any, ctx: RequestContext) -> Reply:
+    async def __call__(
+        self, runtime: EngineRuntime, request: Any, ctx: RequestContext, services: RequestServices
+    ) -> Reply:
         log_ignored_fields(request, ctx)
         self.check(request)
         check_stream_options(request)
         ctx.scheduler = runtime.scheduler
-        plan = await self.plan(runtime, request, ctx)
+        plan = await self.plan(runtime, request, ctx, services)
         pending = start_compile(runtime.grammar_compiler, plan)
         prompts = await self.prompts(runtime, request, ctx, plan)
         ctx.prompt_tokens = sum(len(p) for p in prompts)
@@ -73,7 +76,11 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         """Refuse, by name, fields this endpoint does not implement."""
 
     async def plan(
-        self, runtime: EngineRuntime, request: RequestT, ctx: RequestContext
+        self,
+        runtime: EngineRuntime,
+        request: RequestT,
+        ctx: RequestContext,
+        services: RequestServices,
     ) -> OutputPlan:
         """The request's tools and output constraint (default: none); raise a 400 (404)
         naming the param of what cannot be served."""

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from gateway.api.endpoint import Endpoint, Reply
 from gateway.context import RequestContext
 from gateway.obs.metrics import ArmGauges, ArmInfo, GatewayMetrics
+from gateway.services import RequestServices
 
 
 class Arm(abc.ABC):
@@ -47,7 +48,9 @@ class Arm(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
+    async def serve(
+        self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext, services: RequestServices
+    ) -> Reply:
         """Serve one request of `endpoint` (`request` is its validated request model)."""
 
     async def lookup(

@@ -14,6 +14,7 @@ from gateway.api.pipeline import EngineRuntime, ServingOptions
 from gateway.arms.arm import Arm
 from gateway.context import RequestContext
 from gateway.obs.metrics import ArmGauges, ArmInfo, GatewayMetrics, local_device_group
+from gateway.services import RequestServices
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
@@ -130,8 +131,10 @@ class LocalArm(Arm):
     def max_model_len(self) -> int | None:
         return None if self._runtime is None else self._runtime.max_model_len
 
-    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
-        return await endpoint.local(self.runtime, request, ctx)
+    async def serve(
+        self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext, services: RequestServices
+    ) -> Reply:
+        return await endpoint.local(self.runtime, request, ctx, services)
 
     def trace(self) -> dict[str, Any] | None:
         if self._runtime is None:

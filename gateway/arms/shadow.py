@@ -128,7 +128,7 @@ class ShadowMirror:
         services = RequestServices(metrics=self._metrics)
         try:
             request = copy.endpoint.request_model.model_validate(copy.body)
-            reply = await self.arm.serve(copy.endpoint, request, ctx)
+            reply = await self.arm.serve(copy.endpoint, request, ctx, services)
             if not isinstance(reply, dict):
                 await _drain(reply)
         except APIError as exc:

@@ -25,6 +25,7 @@ from gateway.api.payload_stream import PayloadStream
 from gateway.arms.arm import Arm
 from gateway.context import RequestContext
 from gateway.obs.metrics import ArmInfo, upstream_device_group
+from gateway.services import RequestServices
 
 
 def api_error(exc: UpstreamError) -> APIError:
@@ -69,7 +70,9 @@ class UpstreamArm(Arm):
             raise RuntimeError(f"arm {self.name!r} has not started")
         return self._client
 
-    async def serve(self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext) -> Reply:
+    async def serve(
+        self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext, services: RequestServices
+    ) -> Reply:
         ctx.scheduler = f"upstream:{self.config.model}"
         path = endpoint.upstream_path
         headers = {"X-Request-Id": ctx.request_id}
@@ -81,7 +84,7 @@ class UpstreamArm(Arm):
                 raise api_error(exc) from None
             ctx.accept()
             _account(ctx, reply)
-            _remember(ctx, body, reply)
+            _remember(ctx, services, body, reply)
             _relabel(reply, ctx.model)
             return reply
         wants_usage = True
@@ -98,7 +101,7 @@ class UpstreamArm(Arm):
         except StopAsyncIteration:
             first = b"data: [DONE]\n\n"
         ctx.accept()
-        payloads = _payloads(first, frames, ctx, wants_usage)
+        payloads = _payloads(first, frames, ctx, services, wants_usage)
         return PayloadStream(payloads, on_close=lambda: None)
 
     async def lookup(
@@ -113,7 +116,11 @@ class UpstreamArm(Arm):
 
 
 async def _payloads(
-    first: bytes, frames: AsyncIterator[bytes], ctx: RequestContext, wants_usage: bool
+    first: bytes,
+    frames: AsyncIterator[bytes],
+    ctx: RequestContext,
+    services: RequestServices,
+    wants_usage: bool,
 ) -> AsyncGenerator[str, None]:
     """Chunk payloads of the upstream stream, re-labelled with the served model name."""
 
@@ -142,7 +149,7 @@ async def _payloads(
                 )
             _account_chunk(ctx, chunk)
             if chunk.get("type") == "response.created":
-                _remember(ctx, ctx.raw_body, chunk.get("response"))
+                _remember(ctx, services, ctx.raw_body, chunk.get("response"))
             if not wants_usage:
                 chunk.pop("usage", None)
                 if not chunk.get("choices"):
@@ -169,13 +176,15 @@ def _relabel(body: dict[str, Any], model: str) -> None:
         response["model"] = model
 
 
-def _remember(ctx: RequestContext, body: dict[str, Any], reply: Any) -> None:
+def _remember(
+    ctx: RequestContext, services: RequestServices, body: dict[str, Any], reply: Any
+) -> None:
     """Note the id of a stored Responses API response this arm created (its upstream keeps
     it): GET, DELETE and `previous_response_id` of that id are routed back here."""
     if not isinstance(reply, dict) or reply.get("object") != "response":
         return
     if body.get("store") is not False and isinstance(reply.get("id"), str):
-        ctx.remember_response(reply["id"])
+        services.remember_response(ctx, reply["id"])
 
 
 def _read_usage(ctx: RequestContext, body: dict[str, Any]) -> None:

@@ -71,7 +71,6 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         is_disconnected=request.is_disconnected,
         log_prompts=state.settings.log_prompts,
         path=endpoint.path,
-        response_store=state.response_store,
     )
     try:
         body = await read_json(request)
@@ -82,7 +81,7 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
         if deployment.mirrors and not arm.shadow:
             ctx.on_accepted = lambda: deployment.mirror(endpoint, body, ctx)
-        reply = await arm.serve(endpoint, parsed, ctx)
+        reply = await arm.serve(endpoint, parsed, ctx, services)
         ctx.accept()
     except APIError as exc:
         services.finish(ctx, exc.status_code, exc.message)

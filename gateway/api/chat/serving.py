@@ -35,6 +35,7 @@ from gateway.api.protocol import (
 )
 from gateway.api.serving import LocalEndpoint
 from gateway.context import RequestContext
+from gateway.services import RequestServices
 from schedulers.client import RequestStream
 
 # NOTE: `developer` is OpenAI's newer name for `system`; templates only know the latter.
@@ -156,7 +157,11 @@ class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
         check_unsupported(request)
 
     async def plan(
-        self, runtime: EngineRuntime, request: ChatCompletionRequest, ctx: RequestContext
+        self,
+        runtime: EngineRuntime,
+        request: ChatCompletionRequest,
+        ctx: RequestContext,
+        services: RequestServices,
     ) -> OutputPlan:
         return chat_plan(request)
 

@@ -26,6 +26,7 @@ from gateway.api.protocol import (
 )
 from gateway.api.serving import LocalEndpoint
 from gateway.context import RequestContext
+from gateway.services import RequestServices
 from schedulers.client import RequestStream
 
 
@@ -69,7 +70,11 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
         check_unsupported(request)
 
     async def plan(
-        self, runtime: EngineRuntime, request: CompletionRequest, ctx: RequestContext
+        self,
+        runtime: EngineRuntime,
+        request: CompletionRequest,
+        ctx: RequestContext,
+        services: RequestServices,
     ) -> OutputPlan:
         return completion_plan(request)
 

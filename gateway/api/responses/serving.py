@@ -34,6 +34,7 @@ from gateway.api.responses.protocol import (
 from gateway.api.responses.store import ResponseStore, previous_conversation
 from gateway.api.serving import LocalEndpoint
 from gateway.context import RequestContext
+from gateway.services import RequestServices
 from schedulers.client import RequestStream
 from schedulers.sampling_params import SamplingParams
 
@@ -54,9 +55,13 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
             raise problem_error(problem)
 
     async def plan(
-        self, runtime: EngineRuntime, request: ResponsesRequest, ctx: RequestContext
+        self,
+        runtime: EngineRuntime,
+        request: ResponsesRequest,
+        ctx: RequestContext,
+        services: RequestServices,
     ) -> OutputPlan:
-        store = ctx.response_store or _NO_STORE
+        store = services.response_store or _NO_STORE
         history = previous_conversation(store, request.previous_response_id)
         if isinstance(history, ParamProblem):
             raise problem_error(history)
@@ -71,7 +76,11 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
             _format_param(request.text),
             _RENAME,
         )
-        extra = {"history": history, "input_items": parts.input_items}
+        extra = {
+            "history": history,
+            "input_items": parts.input_items,
+            "services": services,
+        }
         return dataclasses.replace(plan, messages=parts.messages, extra=extra)
 
     async def prompts(
@@ -181,11 +190,12 @@ def _store(
     request: ResponsesRequest, ctx: RequestContext, plan: OutputPlan, response: ResponseObject
 ) -> None:
     """Keep a finished response for `previous_response_id` and GET (when `store`)."""
-    if request.store is False or ctx.response_store is None:
+    services: RequestServices = plan.extra["services"]
+    if request.store is False or services.response_store is None:
         return
     conversation = conversation_after(plan.extra["history"], plan.extra["input_items"], response)
-    ctx.response_store.put(response.id, response.model_dump(mode="json"), conversation)
-    ctx.remember_response(response.id)
+    services.response_store.put(response.id, response.model_dump(mode="json"), conversation)
+    services.remember_response(ctx, response.id)
 
 
 def _format_param(text: dict[str, Any] | None) -> str | None:
