@@ -188,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="FILE",
         default=None,
-        help="send the requests of a traffic record (gateway/traffic_record.py) at "
+        help="send the requests of a traffic record (gateway/obs/traffic_record.py) at "
         "their recorded arrival times, with their own endpoints and parameters; "
         "replaces the synthetic workload",
     )

@@ -1,4 +1,4 @@
-"""`carousel bench --replay FILE`: a traffic record (gateway/traffic_record.py) as the workload.
+"""`carousel bench --replay FILE`: a traffic record (gateway/obs/traffic_record.py) as the workload.
 
 The records are sorted by arrival (`t`, or `ts` when the files hold several recorder
 sessions) and sent at their original offsets from the first, multiplied by `--time-scale`

@@ -1,6 +1,6 @@
 """`carousel serve | generate | bench`.
 
-The flags are derived from the settings (gateway/settings_cli.py) and given to Settings only
+The flags are derived from the settings (gateway/settings/flags.py) and given to Settings only
 when the user typed them, so the precedence is flags > CAROUSEL_* env > YAML (--config) >
 built-in defaults. Invalid settings are refused before the server starts.
 """
@@ -16,11 +16,18 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+import structlog
+import uvicorn
 from pydantic import ValidationError
 
-from gateway.setting_groups import GROUPS
-from gateway.settings import Settings
-from gateway.settings_cli import add_setting_flags, settings_kwargs
+from gateway.app import GatewayServer, create_app
+from gateway.arms.engine_factory import load_backend, scheduler_config
+from gateway.obs.logging import configure_logging
+from gateway.settings.flags import add_setting_flags, settings_kwargs
+from gateway.settings.groups import GROUPS
+from gateway.settings.load import Settings
+from schedulers.llm import LLM
+from schedulers.sampling_params import SamplingParams
 
 
 def _add_serve(sub: Any) -> None:
@@ -77,12 +84,6 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import structlog
-    import uvicorn
-
-    from gateway.app import GatewayServer, create_app
-    from gateway.logging import configure_logging
-
     settings = load_settings(args)
     configure_logging(settings.log_level, settings.log_json)
     structlog.get_logger("carousel.gateway").info(
@@ -108,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
     state = app.state.gateway
     server = GatewayServer(config, state, settings.drain_timeout_s)
     state.on_fatal = lambda: setattr(server, "should_exit", True)
-    state.freeze_gc_when_ready = True  # this process is the server (app.py's _freeze_gc)
+    state.freeze_gc_when_ready = True  # this process is the server (state.py's _freeze_gc)
     # NOTE: the first SIGTERM/SIGINT drains (GatewayServer). uvicorn re-raises the signal
     # that stopped it once it has shut down gracefully; a no-op handler then makes Ctrl-C /
     # docker stop exit 0 instead of dying by the signal.
@@ -126,10 +127,6 @@ def _shut_down(signum: int, frame: FrameType | None) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from gateway.engine_factory import load_backend, scheduler_config
-    from schedulers.llm import LLM
-    from schedulers.sampling_params import SamplingParams
-
     settings = load_settings(args)
     backend = load_backend(settings)
     prompt: str = args.prompt

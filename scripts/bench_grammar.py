@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from backends.torch.grammar_mask import allocate_bitmask, apply_grammar_bitmask
 from backends.torch.loader import resolve_model
-from gateway.tool_calls import ToolChoice, check_tools, tool_grammar
+from gateway.api.outputs.tools import ToolChoice, check_tools, tool_grammar
 from schedulers.structured_output import (
     CompiledGrammar,
     GrammarCompiler,

@@ -33,7 +33,7 @@ import openai
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.routing import ARM_HEADER, choose_by_weight, user_point
+from gateway.arms.choice import ARM_HEADER, choose_by_weight, user_point
 
 ROOT = Path(__file__).resolve().parents[1]
 GATEWAY_YAML = ROOT / "deploy" / "gateway.yaml"
@@ -52,7 +52,7 @@ class SmokeFailure(Exception):
 
 @dataclass
 class WeightedArm:
-    """An arm of deploy/gateway.yaml as gateway/routing.py weighs it (its `Weighted`)."""
+    """An arm of deploy/gateway.yaml as gateway/arms/choice.py weighs it (its `Weighted`)."""
 
     name: str
     weight: float
@@ -144,7 +144,7 @@ def stream_chat(client: openai.OpenAI, arm: str, model: str) -> dict[str, Any]:
 
 
 def sticky_users(arms: list[str], per_arm: int = 1) -> dict[str, str]:
-    """Users that deploy/gateway.yaml's weights send to each arm (gateway/routing.py's hash)."""
+    """Users that deploy/gateway.yaml's weights send to each arm (gateway/arms/choice.py's hash)."""
     config_arms = [WeightedArm(a["name"], float(a["weight"])) for a in gateway_config()["arms"]]
     users: dict[str, str] = {}
     for i in range(1000):

@@ -17,11 +17,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from backends.sim import SimBackend
+from gateway.api.pipeline import ServingOptions
 from gateway.app import create_app
-from gateway.deployment import Deployment
-from gateway.local_arm import LocalArm
-from gateway.serving_common import ServingOptions
-from gateway.settings import Settings
+from gateway.arms.deployment import Deployment
+from gateway.arms.local import LocalArm
+from gateway.settings.load import Settings
 from schedulers.base import SchedulerConfig
 
 SIM_MODEL = "sim-model"
@@ -125,7 +125,7 @@ def no_gc_pauses() -> Iterator[None]:
     Late in a full run this process holds about a million objects, and one full collection
     then stops every thread for 0.6-0.7 s: long enough to send a replayed request past its
     tolerance (CI after stop 33). A served gateway freezes its own heap after start-up
-    (gateway/app.py), and the bench client runs in a small process of its own.
+    (gateway/state.py), and the bench client runs in a small process of its own.
     """
     gc.collect()
     gc.freeze()

@@ -19,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
-from gateway.arm_settings import ArmSettings
-from gateway.deployment_factory import deployment_from_settings
-from gateway.local_arm import LocalArm
-from gateway.routing import choose_by_weight, user_point
-from gateway.settings import Settings
+from gateway.arms.choice import choose_by_weight, user_point
+from gateway.arms.factory import deployment_from_settings
+from gateway.arms.local import LocalArm
+from gateway.settings.arms import ArmSettings
+from gateway.settings.load import Settings
 from tests.conftest import serve_app
 
 MODEL = "ab-model"

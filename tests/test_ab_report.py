@@ -33,9 +33,9 @@ from bench.metrics import Slo
 from bench.prom import E2E, TTFT, Histogram, Scrape, parse_duration, parse_exposition
 from bench.stats import histogram_share_below
 from gateway.app import create_app
-from gateway.metrics import ArmInfo, GatewayMetrics, local_device_group, upstream_device_group
-from gateway.settings import Settings
-from gateway.traffic_record import TrafficEntry, TrafficRecorder
+from gateway.obs.metrics import ArmInfo, GatewayMetrics, local_device_group, upstream_device_group
+from gateway.obs.traffic_record import TrafficEntry, TrafficRecorder
+from gateway.settings.load import Settings
 from tests.conftest import serve_app
 
 MODEL = "ab-model"

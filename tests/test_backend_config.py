@@ -11,14 +11,14 @@ from pydantic import ValidationError
 
 from backends.torch.config import TorchBackendConfig
 from gateway.cli import main
-from gateway.engine_factory import (
+from gateway.arms.engine_factory import (
     scheduler_config,
     serving_options,
     sim_options,
     torch_backend_config,
 )
-from gateway.setting_groups import PER_ARM_GROUPS, group_fields, torch_only_defaults
-from gateway.settings import Settings
+from gateway.settings.groups import PER_ARM_GROUPS, group_fields, torch_only_defaults
+from gateway.settings.load import Settings
 
 #: local-arm settings that configure no engine part: which backend, the served name, the policy
 CHOOSERS = {"backend", "served_model_name", "scheduler"}

@@ -23,7 +23,7 @@ from bench.workload import (
     spread_offsets,
 )
 from gateway.app import create_app
-from gateway.settings import Settings
+from gateway.settings.load import Settings
 from tests.conftest import serve_app
 from tests.test_bench_client import use_transport
 

@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from bench.cli import main
 from bench.client import ClientConfig, build_body
 from bench.replay import load_records, replay_workload
-from gateway.traffic_record import TrafficEntry, TrafficRecorder
+from gateway.obs.traffic_record import TrafficEntry, TrafficRecorder
 from tests.conftest import SIM_MODEL, LiveServer
 
 TOLERANCE_S = 0.05

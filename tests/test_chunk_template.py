@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chunk_template import TextChunks
-from gateway.protocol import (
+from gateway.api.chunk_template import TextChunks
+from gateway.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     CompletionChoice,

@@ -10,8 +10,8 @@ import pytest
 from backends.sim import SimBackend
 from backends.torch import runner
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
-from gateway import engine_factory
-from gateway.settings import Settings
+from gateway.arms import engine_factory
+from gateway.settings.load import Settings
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams

@@ -17,12 +17,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from backends.upstream import UpstreamConfig
+from gateway.api.endpoint import TYPED_EVENTS, Endpoint
+from gateway.api.errors import APIError
+from gateway.api.table import ENDPOINTS
+from gateway.arms.upstream import UpstreamArm
 from gateway.context import RequestContext
-from gateway.endpoint import TYPED_EVENTS, Endpoint
-from gateway.endpoints import ENDPOINTS
-from gateway.errors import APIError
-from gateway.streaming import sse_frames
-from gateway.upstream_arm import UpstreamArm
+from gateway.http.sse import sse_frames
+from gateway.services import RequestServices
 from tests.conftest import SIM_MODEL, LiveServer, serve_app
 
 
@@ -125,7 +126,7 @@ async def _serve(url: str, stream: bool) -> tuple[Any, RequestContext]:
     try:
         ctx = _ctx(stream)
         request = EchoRequest.model_validate(ctx.raw_body)
-        reply = await arm.serve(ECHO, request, ctx)
+        reply = await arm.serve(ECHO, request, ctx, RequestServices())
         if stream:
             assert not isinstance(reply, dict)
             reply = [json.loads(p) async for p in reply]

@@ -1,9 +1,10 @@
 """Schemathesis against the app's own OpenAPI schema: no 5xx, and every error OpenAI-shaped.
 
 The routes read their bodies by hand, so `app.openapi()` has no request bodies for the two
-OpenAI endpoints; the test adds them from the pydantic request models (protocol.py). Both
-positive (schema-valid) and negative (schema-violating, including non-JSON) cases are sent to
-a live loopback server over the simulator. Bounded: at most 100 examples per operation.
+OpenAI endpoints; the test adds them from the pydantic request models
+(gateway/api/protocol.py). Both positive (schema-valid) and negative (schema-violating,
+including non-JSON) cases are sent to a live loopback server over the simulator. Bounded: at
+most 100 examples per operation.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from schemathesis import GenerationMode
 
+from gateway.api.pipeline import ServingOptions
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.app import create_app
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving_common import ServingOptions
-from gateway.settings import Settings
+from gateway.settings.load import Settings
 from tests.conftest import SIM_MODEL, LiveServer, sim_arm, start_server
 
 _TOKEN = {"type": "integer", "minimum": 0, "maximum": 257}  # the simulator's vocabulary

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.byte_tokenizer import ByteTokenizer
-from gateway.protocol import MAX_STOP_SEQUENCES
+from gateway.api.protocol import MAX_STOP_SEQUENCES
 from schedulers.detokenizer import IncrementalDetokenizer
 
 ALPHABET = "ab é€\n"

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from gateway.cli import build_parser, load_settings, main
-from gateway.settings import Settings
+from gateway.settings.load import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,8 +96,8 @@ def test_bench_subcommand_is_registered_when_present() -> None:
 
 def test_gateway_never_imports_torch() -> None:
     code = (
-        "import sys, gateway.app, gateway.cli, gateway.routes;"
-        "from gateway.app import create_app; from gateway.settings import Settings;"
+        "import sys, gateway.app, gateway.cli, gateway.http.routes;"
+        "from gateway.app import create_app; from gateway.settings.load import Settings;"
         "create_app(Settings(backend='sim'));"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from backends.sim import SimBackend
-from gateway.local_arm import LocalArm
-from gateway.serving_common import ServingOptions
+from gateway.api.pipeline import ServingOptions
+from gateway.arms.local import LocalArm
 from tests.conftest import CHAT, SIM_MODEL, LiveServer, LoopKiller, error_of, sim_arm, sse_payloads
 
 HELLO = CHAT["messages"]

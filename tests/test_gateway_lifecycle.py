@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from gateway.app import create_app
-from gateway.deployment import Deployment
-from gateway.local_arm import LocalArm
-from gateway.settings import Settings
+from gateway.arms.deployment import Deployment
+from gateway.arms.local import LocalArm
+from gateway.settings.load import Settings
 from schedulers.sequence import FinishReason, Sequence
 from tests.conftest import SIM_MODEL, LiveServer, serve_app, sim_arm
 
@@ -178,7 +178,7 @@ def test_shutdown_stops_the_engine_thread() -> None:
 async def test_payload_stream_closed_before_its_first_chunk_still_releases() -> None:
     from collections.abc import AsyncGenerator
 
-    from gateway.streaming import PayloadStream
+    from gateway.api.payload_stream import PayloadStream
 
     released: list[bool] = []
 

@@ -17,8 +17,13 @@ import torch
 
 from backends.torch.grammar_mask import allocate_bitmask, apply_grammar_bitmask
 from backends.torch.runner import TorchBackend
-from gateway.tool_call_parser import parse_tool_calls
-from gateway.tool_calls import check_tools, render_conversation, resolve_tool_choice, tool_grammar
+from gateway.api.outputs.tool_parser import parse_tool_calls
+from gateway.api.outputs.tools import (
+    check_tools,
+    render_conversation,
+    resolve_tool_choice,
+    tool_grammar,
+)
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams

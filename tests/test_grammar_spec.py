@@ -220,9 +220,10 @@ def test_regex_choice_grammar_and_structural_tag_checks() -> None:
 def test_importing_the_specs_and_the_gateway_helpers_imports_neither_xgrammar_nor_torch() -> None:
     code = (
         "import sys, schedulers.structured_output as s\n"
-        "import gateway.tool_calls, gateway.tool_call_parser, gateway.response_format\n"
-        "import gateway.protocol_responses, gateway.responses_convert\n"
-        "import gateway.responses_stream, gateway.response_store\n"
+        "import gateway.api.outputs.tools, gateway.api.outputs.tool_parser\n"
+        "import gateway.api.outputs.response_format\n"
+        "import gateway.api.responses.protocol, gateway.api.responses.convert\n"
+        "import gateway.api.responses.events, gateway.api.responses.store\n"
         "s.check_spec(s.GrammarSpec.json_schema({'type': 'object'}))\n"
         "sys.exit(int('torch' in sys.modules or 'xgrammar' in sys.modules))"
     )

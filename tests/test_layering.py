@@ -5,6 +5,12 @@
   backend.
 - `bench` is a leaf client: it imports none of the server packages, and none of them
   imports it (the CLI finds it by name, with importlib, when it is installed).
+- `schedulers` and `backends` never import `gateway`.
+- Inside the gateway, the rooms point one way: `gateway.api` never imports `gateway.arms` or
+  `gateway.http`; `gateway.settings` and `gateway.obs` import no other gateway module.
+- The gateway imports at module level, except the one lazy torch load.
+- No module of the project is in an import cycle (function-level and TYPE_CHECKING imports
+  count: a cycle hidden behind one still couples the modules).
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ("gateway", "schedulers", "backends")
+PROJECT = (*SERVER, "bench")
 #: (file, function) pairs allowed to import torch lazily from inside the gateway
-LAZY_TORCH_LOADS = {("gateway/engine_factory.py", "_torch_modules")}
+LAZY_TORCH_LOADS = {("gateway/arms/engine_factory.py", "_torch_modules")}
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,16 @@ def test_gateway_imports_torch_only_in_the_lazy_backend_load() -> None:
     assert not bad, bad
 
 
+def test_gateway_imports_at_module_level_except_the_lazy_torch_load() -> None:
+    """A function-level import would hide an import cycle, not remove it."""
+    bad = [
+        e
+        for e in package_edges("gateway")
+        if e.function is not None and (e.source, e.function) not in LAZY_TORCH_LOADS
+    ]
+    assert not bad, bad
+
+
 def test_bench_imports_no_server_package() -> None:
     bad = [e for e in package_edges("bench") if top(e.target) in SERVER]
     assert not bad, bad
@@ -83,6 +102,127 @@ def test_bench_imports_no_server_package() -> None:
 def test_no_server_package_imports_bench() -> None:
     bad = [e for p in SERVER for e in package_edges(p) if top(e.target) == "bench"]
     assert not bad, bad
+
+
+def in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def test_schedulers_and_backends_never_import_gateway() -> None:
+    bad = [
+        e
+        for p in ("schedulers", "backends")
+        for e in package_edges(p)
+        if top(e.target) == "gateway"
+    ]
+    assert not bad, bad
+
+
+def test_the_api_never_imports_the_arms_or_http() -> None:
+    edges = [e for path in sorted((ROOT / "gateway/api").rglob("*.py")) for e in imports_of(path)]
+    bad = [
+        e for e in edges if in_room(e.target, "gateway.arms") or in_room(e.target, "gateway.http")
+    ]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("room", ["gateway.settings", "gateway.obs"])
+def test_settings_and_obs_import_no_other_gateway_module(room: str) -> None:
+    folder = ROOT / room.replace(".", "/")
+    edges = [e for path in sorted(folder.rglob("*.py")) for e in imports_of(path)]
+    bad = [e for e in edges if top(e.target) == "gateway" and not in_room(e.target, room)]
+    assert not bad, bad
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(packages: tuple[str, ...], root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, anywhere in it (`from pkg import name`
+    where `name` is a submodule is an edge to the submodule)."""
+    files = {module_name(f, root): f for p in packages for f in sorted((root / p).rglob("*.py"))}
+
+    def resolve(name: str) -> str | None:
+        while name not in files:
+            if "." not in name:
+                return None
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            targets = {resolve(n) for n in names}
+            graph[module] |= {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_project_module_is_in_an_import_cycle() -> None:
+    cycles = import_cycles(module_graph(PROJECT))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_submodule_and_a_lazy_import(
+    tmp_path: Path,
+) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f() -> None:\n    import pkg.c\n")
+    (pkg / "c.py").write_text("from pkg.a import x\n")
+    (pkg / "d.py").write_text("import pkg.a\n")
+    graph = module_graph(("pkg",), tmp_path)
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
 
 
 def test_the_edge_finder_sees_lazy_and_module_level_imports(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A request's output plan (gateway/output_plan.py): which param each refusal names, and how
+"""A request's output plan (gateway/api/outputs/plan.py): which param each refusal names, and how
 the compiler's answers become OpenAI errors, before anything is queued. Pure: the compiler
 is a stand-in returning resolved futures (tests/test_structured_live.py runs the real one)."""
 
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import APIError
-from gateway.output_plan import (
+from gateway.api.errors import APIError
+from gateway.api.outputs.plan import (
     OutputPlan,
     chat_plan,
     completion_plan,
     finish_compile,
     start_compile,
 )
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest
 from schedulers.structured_output import (
     CompiledGrammar,
     GrammarError,

@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.byte_tokenizer import ByteTokenizer
 from gateway.app import create_app
+from gateway.arms.engine_factory import scheduler_config
+from gateway.arms.factory import arm_settings
 from gateway.cli import build_parser, load_settings
-from gateway.deployment_factory import arm_settings
-from gateway.engine_factory import scheduler_config
-from gateway.settings import Settings
+from gateway.settings.load import Settings
 from tests.conftest import serve_app
 
 MODEL = "prefix-model"

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.engine_factory import scheduler_config, serving_options
-from gateway.protocol import ChatCompletionRequest
-from gateway.serving_common import ServingOptions
-from gateway.settings import Settings
+from gateway.api.pipeline import ServingOptions
+from gateway.api.protocol import ChatCompletionRequest
+from gateway.arms.engine_factory import scheduler_config, serving_options
+from gateway.settings.load import Settings
 from tests.conftest import CHAT, SIM_MODEL, LiveServer, error_of, sim_arm
 
 HELLO = CHAT["messages"]

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 
 from backends.sim import CostModel, SimBackend
-from gateway.local_arm import LocalArm
-from gateway.serving_common import ServingOptions
+from gateway.api.pipeline import ServingOptions
+from gateway.arms.local import LocalArm
 from schedulers.base import SchedulerConfig
 from schedulers.block_manager import BlockManager
 from schedulers.outputs import IterationRecord

@@ -30,11 +30,11 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.sim import SimBackend
+from gateway.api.pipeline import ServingOptions
 from gateway.app import create_app
-from gateway.deployment import Deployment
-from gateway.local_arm import LocalArm
-from gateway.serving_common import ServingOptions
-from gateway.settings import Settings
+from gateway.arms.deployment import Deployment
+from gateway.arms.local import LocalArm
+from gateway.settings.load import Settings
 from schedulers.base import SchedulerConfig
 from tests.conftest import SIM_MODEL, serve_app, sse_payloads
 

@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from gateway.problems import ParamProblem
-from gateway.response_format import (
+from gateway.api.outputs.response_format import (
     grammar_for_response_format,
     grammar_for_structured_outputs,
     grammar_for_text_format,
 )
+from gateway.api.problems import ParamProblem
 from schedulers.structured_output import GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -19,25 +19,25 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.problems import ParamProblem
-from gateway.protocol_responses import (
+from gateway.api.outputs.tool_parser import ToolCallDelta, ToolCallStreamParser
+from gateway.api.outputs.tools import check_tools, resolve_tool_choice
+from gateway.api.problems import ParamProblem
+from gateway.api.responses.convert import (
+    ChatParts,
+    conversation_after,
+    response_skeleton,
+    to_chat,
+)
+from gateway.api.responses.events import ResponseBuilder
+from gateway.api.responses.protocol import (
     ResponsesRequest,
     ResponseUsage,
     deleted_body,
     to_sse,
     unsupported,
 )
-from gateway.response_store import ResponseOwner, ResponseStore, previous_conversation
-from gateway.responses_convert import (
-    ChatParts,
-    conversation_after,
-    response_skeleton,
-    to_chat,
-)
-from gateway.responses_stream import ResponseBuilder
-from gateway.streaming import event_type
-from gateway.tool_call_parser import ToolCallDelta, ToolCallStreamParser
-from gateway.tool_calls import check_tools, resolve_tool_choice
+from gateway.api.responses.store import ResponseOwner, ResponseStore, previous_conversation
+from gateway.http.sse import event_type
 from schedulers.structured_output import GrammarSpec
 from tests.conftest import serve_app
 

@@ -14,9 +14,9 @@ import pytest
 
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app
-from gateway.deployment import Deployment
-from gateway.settings import Settings
-from gateway.upstream_arm import UpstreamArm
+from gateway.arms.deployment import Deployment
+from gateway.arms.upstream import UpstreamArm
+from gateway.settings.load import Settings
 from tests.conftest import SIM_MODEL, LiveServer, error_of, serve_app, sim_arm
 
 EVENT_ORDER = [

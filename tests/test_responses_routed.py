@@ -13,10 +13,10 @@ import pytest
 
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app
-from gateway.deployment import Deployment
-from gateway.routing import ARM_HEADER
-from gateway.settings import Settings
-from gateway.upstream_arm import UpstreamArm
+from gateway.arms.choice import ARM_HEADER
+from gateway.arms.deployment import Deployment
+from gateway.arms.upstream import UpstreamArm
+from gateway.settings.load import Settings
 from tests.conftest import SIM_MODEL, LiveServer, error_of, serve_app, sim_arm
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from gateway.arms.engine_factory import scheduler_config, serving_options
+from gateway.arms.factory import arm_settings, deployment_from_settings
+from gateway.arms.local import LocalArm
 from gateway.cli import build_parser, load_settings
-from gateway.deployment_factory import arm_settings, deployment_from_settings
-from gateway.engine_factory import scheduler_config, serving_options
-from gateway.local_arm import LocalArm
-from gateway.policy_options import policy_option_names
-from gateway.setting_groups import GROUPS, group_fields, per_arm_names
-from gateway.settings import Settings
+from gateway.settings.groups import GROUPS, group_fields, per_arm_names
+from gateway.settings.load import Settings
+from gateway.settings.policy_options import policy_option_names
 from schedulers.backend import Backend
 from schedulers.engine import Engine
 from schedulers.registry import available_schedulers
@@ -158,7 +158,7 @@ def test_serve_refuses_an_unknown_scheduler_before_opening_the_port() -> None:
 
 def test_every_flag_has_its_line_in_the_quickstart() -> None:
     """Adding a knob is one field plus its docs line: this holds the docs to it."""
-    from gateway.policy_options import policy_option_names
+    from gateway.settings.policy_options import policy_option_names
 
     text = (REPO / "docs" / "quickstart.md").read_text()
     names = [name for group in GROUPS for name, _ in group_fields(group)]

@@ -18,10 +18,11 @@ from starlette.routing import Route
 
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app
-from gateway.deployment import Arm, Deployment
-from gateway.settings import Settings
-from gateway.shadow import ShadowMirror, mirrored
-from gateway.upstream_arm import UpstreamArm
+from gateway.arms.arm import Arm
+from gateway.arms.deployment import Deployment
+from gateway.arms.shadow import ShadowMirror, mirrored
+from gateway.arms.upstream import UpstreamArm
+from gateway.settings.load import Settings
 from tests.conftest import CHAT, SIM_MODEL, serve_app, sim_arm
 
 

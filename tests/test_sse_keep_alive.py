@@ -12,8 +12,8 @@ import json
 import anyio
 from starlette.types import Message
 
-from gateway.endpoint import OPENAI_CHUNKS, TYPED_EVENTS, StreamFormat
-from gateway.streaming import DONE, PING, SSEResponse
+from gateway.api.endpoint import OPENAI_CHUNKS, TYPED_EVENTS, StreamFormat
+from gateway.http.sse import DONE, PING, SSEResponse
 
 PING_S = 0.005
 

@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from gateway.app import create_app
-from gateway.settings import Settings
+from gateway.settings.load import Settings
 from tests.conftest import serve_app
 
 pytestmark = pytest.mark.real_model

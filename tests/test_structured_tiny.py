@@ -25,10 +25,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from backends.torch.runner import TorchBackend
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app
-from gateway.deployment import Deployment
-from gateway.local_arm import LocalArm
-from gateway.settings import Settings
-from gateway.upstream_arm import UpstreamArm
+from gateway.arms.deployment import Deployment
+from gateway.arms.local import LocalArm
+from gateway.arms.upstream import UpstreamArm
+from gateway.settings.load import Settings
 from schedulers.base import SchedulerConfig
 from tests.conftest import SIM_MODEL, LiveServer, error_of, serve_app, start_server
 from tests.tiny_models import TINY, tiny_tokenizer

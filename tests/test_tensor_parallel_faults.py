@@ -24,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.torch.parallel.backend import TensorParallelBackend
-from gateway.local_arm import LocalArm
+from gateway.arms.local import LocalArm
 from tests.conftest import SIM_MODEL, LiveServer, error_of
 from tests.test_gateway_cli import free_port
 from tests.tiny_models import TINY, tiny_tokenizer

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.tool_call_parser import (
+from gateway.api.outputs.tool_parser import (
     ParsedOutput,
     ToolCall,
     ToolCallDelta,

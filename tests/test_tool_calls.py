@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from gateway.tool_call_parser import parse_tool_calls
-from gateway.tool_calls import (
+from gateway.api.outputs.tool_parser import parse_tool_calls
+from gateway.api.outputs.tools import (
     FunctionTool,
     ParamProblem,
     ToolChoice,

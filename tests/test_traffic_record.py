@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.traffic_record import TrafficEntry, TrafficRecorder, redact
+from gateway.obs.traffic_record import TrafficEntry, TrafficRecorder, redact
 
 SECRET_WORDS = ["zebrafish", "quokka", "marmalade", "axolotl", "tangerine", "pangolin",
                 "narwhal", "kumquat", "okapi", "wombat", "capybara", "ocelot"]  # fmt: skip

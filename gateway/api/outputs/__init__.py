@@ -1,0 +1,1 @@
+"""Constrained outputs: the output plan, response formats, tool calls and their parser."""

@@ -1,0 +1,1 @@
+"""/v1/responses: protocol, conversion to chat, stream events, the response store."""

@@ -1,0 +1,205 @@
+"""POST /v1/responses on a local engine: the Responses API over the chat pipeline.
+
+    input items (+ the stored conversation of previous_response_id, + instructions)
+    -> chat messages and tools (responses_convert.py) -> the chat template (tool prompt
+    included) -> engine -> ToolCallStreamParser events -> ResponseBuilder
+    -> a `response` object, or its typed stream events (`event:` lines, sequence_number)
+
+With `store` (the default) the finished response and the conversation through it go into
+the gateway's bounded `ResponseStore`, for `previous_response_id` and
+`GET /v1/responses/{id}`. Everything the API has that Carousel does not serve (built-in
+tools, reasoning, background, ...) is a 400 naming it (protocol_responses.unsupported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from gateway.api.chat.serving import chat_prompt
+from gateway.api.errors import APIError
+from gateway.api.outputs.plan import OutputPlan, problem_error, tools_plan
+from gateway.api.outputs.tool_parser import StreamEvent, ToolCallStreamParser
+from gateway.api.pipeline import ChoiceResult, EngineRuntime, accept_output, encode
+from gateway.api.problems import ParamProblem
+from gateway.api.responses.convert import conversation_after, response_skeleton, to_chat
+from gateway.api.responses.events import ResponseBuilder
+from gateway.api.responses.protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    unsupported,
+)
+from gateway.api.responses.store import ResponseStore, previous_conversation
+from gateway.api.serving import LocalEndpoint
+from gateway.context import RequestContext
+from gateway.services import RequestServices
+from schedulers.client import RequestStream
+from schedulers.sampling_params import SamplingParams
+
+#: chat param spellings -> the Responses API's (its function tools are flat)
+_RENAME = {"tool_choice.function.name": "tool_choice.name", ".function.": "."}
+#: the store of a request that has none (a shadow copy): nothing is ever found in it
+_NO_STORE = ResponseStore(1)
+
+
+class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
+    """POST /v1/responses on a local engine."""
+
+    prompt_param = "input"
+
+    def check(self, request: ResponsesRequest) -> None:
+        problem = unsupported(request)
+        if problem is not None:
+            raise problem_error(problem)
+
+    async def plan(
+        self,
+        runtime: EngineRuntime,
+        request: ResponsesRequest,
+        ctx: RequestContext,
+        services: RequestServices,
+    ) -> OutputPlan:
+        store = services.response_store or _NO_STORE
+        history = previous_conversation(store, request.previous_response_id)
+        if isinstance(history, ParamProblem):
+            raise problem_error(history)
+        parts = to_chat(request, history)
+        if isinstance(parts, ParamProblem):
+            raise problem_error(parts)
+        plan = tools_plan(
+            parts.tools,
+            parts.tool_choice,
+            parts.parallel_tool_calls,
+            parts.answer,
+            _format_param(request.text),
+            _RENAME,
+        )
+        extra = {
+            "history": history,
+            "input_items": parts.input_items,
+            "services": services,
+        }
+        return dataclasses.replace(plan, messages=parts.messages, extra=extra)
+
+    async def prompts(
+        self,
+        runtime: EngineRuntime,
+        request: ResponsesRequest,
+        ctx: RequestContext,
+        plan: OutputPlan,
+    ) -> list[list[int]]:
+        assert plan.messages is not None
+        prompt = chat_prompt(runtime, plan.messages, plan, "input")
+        ctx.prompt_text = prompt
+        return [await encode(runtime.tokenizer, prompt)]
+
+    def requested_max_tokens(self, request: ResponsesRequest) -> tuple[int | None, str]:
+        return request.max_output_tokens, "max_output_tokens"
+
+    def sampling_params(
+        self, runtime: EngineRuntime, request: ResponsesRequest, max_tokens: int
+    ) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+        )
+
+    def body(
+        self,
+        runtime: EngineRuntime,
+        request: ResponsesRequest,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        plan: OutputPlan,
+        results: list[ChoiceResult],
+    ) -> dict[str, Any]:
+        builder = _builder(request, ctx)
+        builder.start()
+        parser = ToolCallStreamParser() if plan.parses_tools else None
+        result = results[0]
+        builder.feed(_events(parser, result.text, finished=True))
+        builder.finish(_usage(ctx, result.num_output_tokens), result.finish_reason)
+        _store(request, ctx, plan, builder.response)
+        return builder.response.model_dump(mode="json")
+
+    def chunks(
+        self,
+        runtime: EngineRuntime,
+        request: ResponsesRequest,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        plan: OutputPlan,
+        stream: RequestStream,
+    ) -> AsyncGenerator[str, None]:
+        return _chunks(runtime, request, ctx, plan, stream)
+
+
+async def _chunks(
+    runtime: EngineRuntime,
+    request: ResponsesRequest,
+    ctx: RequestContext,
+    plan: OutputPlan,
+    stream: RequestStream,
+) -> AsyncGenerator[str, None]:
+    """The typed events, in OpenAI's order (responses_stream.py); an engine error after the
+    200 ends the stream with `response.failed`, then the in-band error."""
+    builder = _builder(request, ctx)
+    parser = ToolCallStreamParser() if plan.parses_tools else None
+    try:
+        for event in builder.start():
+            yield event.model_dump_json()
+        try:
+            async for _, output in stream:
+                accept_output(runtime, ctx, output)
+                events = _events(parser, output.text, output.finished)
+                for event in builder.feed(events):
+                    yield event.model_dump_json()
+                if output.finished:
+                    usage = _usage(ctx, output.num_output_tokens)
+                    for event in builder.finish(usage, output.finish_reason):
+                        yield event.model_dump_json()
+        except APIError as exc:
+            for event in builder.fail(exc.message):
+                yield event.model_dump_json()
+            raise
+        _store(request, ctx, plan, builder.response)
+    finally:
+        stream.close()
+
+
+def _builder(request: ResponsesRequest, ctx: RequestContext) -> ResponseBuilder:
+    return ResponseBuilder(response_skeleton(request, ctx.model))
+
+
+def _events(parser: ToolCallStreamParser | None, text: str, finished: bool) -> list[StreamEvent]:
+    """Content and call events of newly generated `text` (plain text without tools)."""
+    if parser is None:
+        return [text] if text else []
+    events = parser.feed(text) if text else []
+    return events + parser.finish() if finished else events
+
+
+def _usage(ctx: RequestContext, num_output_tokens: int) -> ResponseUsage:
+    return ResponseUsage.of(ctx.prompt_tokens, num_output_tokens, ctx.cached_tokens)
+
+
+def _store(
+    request: ResponsesRequest, ctx: RequestContext, plan: OutputPlan, response: ResponseObject
+) -> None:
+    """Keep a finished response for `previous_response_id` and GET (when `store`)."""
+    services: RequestServices = plan.extra["services"]
+    if request.store is False or services.response_store is None:
+        return
+    conversation = conversation_after(plan.extra["history"], plan.extra["input_items"], response)
+    services.response_store.put(response.id, response.model_dump(mode="json"), conversation)
+    services.remember_response(ctx, response.id)
+
+
+def _format_param(text: dict[str, Any] | None) -> str | None:
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    return "text.format.schema" if fmt.get("type") == "json_schema" else "text.format"

@@ -1,0 +1,130 @@
+"""The one local pipeline every endpoint shares: preprocess -> generate -> build.
+
+    check fields -> output plan (tools, grammar; its compile starts) -> prompts (token ids)
+    -> context budget -> SamplingParams (+ the compiled grammar, awaited) -> engine
+    stream -> (stream) chunk payloads | (non-stream) collect -> response body
+
+An endpoint supplies only what differs: how its request becomes a plan, prompts and
+parameters (`plan`, `prompts`, `requested_max_tokens`, `logprobs`) and how outputs become
+its wire shapes (`body`, `chunks`). Chat, completions and responses are subclasses of
+`LocalEndpoint`. A grammar that cannot be served is a 400 (503 when the compiler is busy)
+before anything is queued (gateway/api/outputs/plan.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import AsyncGenerator
+from typing import Any, Generic, TypeVar
+
+from gateway.api.endpoint import Reply
+from gateway.api.outputs.plan import OutputPlan, finish_compile, start_compile
+from gateway.api.payload_stream import PayloadStream
+from gateway.api.pipeline import (
+    ChoiceResult,
+    EngineRuntime,
+    check_stream_options,
+    collect,
+    context_budget,
+    log_ignored_fields,
+    open_stream,
+    sampling_params,
+)
+from gateway.context import RequestContext
+from gateway.services import RequestServices
+from schedulers.client import RequestStream
+from schedulers.sampling_params import SamplingParams
+
+RequestT = TypeVar("RequestT")
+
+
+class LocalEndpoint(abc.ABC, Generic[RequestT]):
+    """How a local engine serves one endpoint: `await endpoint(runtime, req, ctx, services)`."""
+
+    #: the request field that holds the prompt (named by context-length errors)
+    prompt_param: str = "prompt"
+
+    async def __call__(
+        self, runtime: EngineRuntime, request: Any, ctx: RequestContext, services: RequestServices
+    ) -> Reply:
+        log_ignored_fields(request, ctx)
+        self.check(request)
+        check_stream_options(request)
+        ctx.scheduler = runtime.scheduler
+        plan = await self.plan(runtime, request, ctx, services)
+        pending = start_compile(runtime.grammar_compiler, plan)
+        prompts = await self.prompts(runtime, request, ctx, plan)
+        ctx.prompt_tokens = sum(len(p) for p in prompts)
+        requested, requested_param = self.requested_max_tokens(request)
+        longest = max(len(p) for p in prompts)
+        max_tokens = context_budget(requested, requested_param, longest, runtime, self.prompt_param)
+        params = self.sampling_params(runtime, request, max_tokens)
+        grammar = await finish_compile(pending, plan, runtime.options.retry_after_s)
+        if grammar is not None:
+            params = dataclasses.replace(params, grammar=grammar)
+        priority = getattr(request, "priority", 0)
+        stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
+        ctx.accept()
+        if request.stream:
+            chunks = self.chunks(runtime, request, ctx, prompts, plan, stream)
+            return PayloadStream(chunks, stream.close)
+        results = await collect(runtime, stream, ctx, len(prompts) * params.n)
+        return self.body(runtime, request, ctx, prompts, plan, results)
+
+    def check(self, request: RequestT) -> None:  # noqa: B027 - optional hook
+        """Refuse, by name, fields this endpoint does not implement."""
+
+    async def plan(
+        self,
+        runtime: EngineRuntime,
+        request: RequestT,
+        ctx: RequestContext,
+        services: RequestServices,
+    ) -> OutputPlan:
+        """The request's tools and output constraint (default: none); raise a 400 (404)
+        naming the param of what cannot be served."""
+        return OutputPlan()
+
+    @abc.abstractmethod
+    async def prompts(
+        self, runtime: EngineRuntime, request: RequestT, ctx: RequestContext, plan: OutputPlan
+    ) -> list[list[int]]:
+        """The prompts as token ids (also setting `ctx.prompt_text` for the log)."""
+
+    @abc.abstractmethod
+    def requested_max_tokens(self, request: RequestT) -> tuple[int | None, str]:
+        """(the completion budget asked for, None if absent; the field that asked it)."""
+
+    def logprobs(self, request: RequestT) -> int | None:
+        """Alternatives per token to return (None: no logprobs)."""
+        return None
+
+    def sampling_params(
+        self, runtime: EngineRuntime, request: RequestT, max_tokens: int
+    ) -> SamplingParams:
+        return sampling_params(request, runtime, max_tokens, self.logprobs(request))  # type: ignore[arg-type]
+
+    @abc.abstractmethod
+    def body(
+        self,
+        runtime: EngineRuntime,
+        request: RequestT,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        plan: OutputPlan,
+        results: list[ChoiceResult],
+    ) -> dict[str, Any]:
+        """The non-streaming response body."""
+
+    @abc.abstractmethod
+    def chunks(
+        self,
+        runtime: EngineRuntime,
+        request: RequestT,
+        ctx: RequestContext,
+        prompts: list[list[int]],
+        plan: OutputPlan,
+        stream: RequestStream,
+    ) -> AsyncGenerator[str, None]:
+        """The stream's payloads (JSON strings), closing `stream` when done."""

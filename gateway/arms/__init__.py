@@ -1,0 +1,1 @@
+"""Deployments and their arms: local engines, upstream servers, shadow copies, weighted choice."""

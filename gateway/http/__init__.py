@@ -1,0 +1,1 @@
+"""The HTTP surface: routes, middleware, API-key auth, Server-Sent Events."""

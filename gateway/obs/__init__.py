@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, structured logging, the traffic record."""

@@ -1,0 +1,269 @@
+"""The settings groups: every knob of Carousel, once, with its help text.
+
+gateway/settings/load.py composes them into `Settings`; the flags, env vars, YAML keys and
+per-arm overrides are all derived from these fields (see its docstring). Add a knob by
+adding one field to its group (and its line in docs/quickstart.md); a field named like a
+`SchedulerConfig` or `ServingOptions` field reaches it by that name, a torch setting by its
+line in `torch_backend_config` (gateway/arms/engine_factory.py). A setting a backend ignores is
+refused (`unhonoured_settings`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import NoDecode
+
+from gateway.settings.policy_options import (
+    check_policy_options,
+    check_scheduler,
+    policy_option_names,
+)
+
+DEFAULT_MODEL = "default"
+
+
+def torch_only() -> dict[str, Any]:
+    """`json_schema_extra` of a setting only the torch backend honours (the sim refuses it)."""
+    return {"torch_only": True}
+
+
+def per_arm() -> dict[str, Any]:
+    """`json_schema_extra` of a field outside the per-arm groups that an arm may override."""
+    return {"per_arm": True}
+
+
+class ModelSettings(BaseModel):
+    """Which model, and how it runs (shared by a deployment's local arms)."""
+
+    model: str = Field(DEFAULT_MODEL, description="default | HF directory | file.gguf | hub id")
+    served_model_name: str | None = Field(
+        None, description="the name clients use (default: from --model)"
+    )
+    backend: Literal["torch", "sim"] = Field(
+        "torch", description="torch (the real model) or sim (a weight-free cost model)",
+        json_schema_extra=per_arm(),
+    )  # fmt: skip
+    device: str | None = Field(
+        None, description="cuda, cuda:1, cpu (default: cuda if available)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
+    dtype: str | None = Field(
+        None, description="bfloat16, float16, float32 (default: per device)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
+    max_model_len: int | None = Field(
+        None, ge=1, description="context window in tokens (default: the model's)"
+    )
+    prepack_weights: bool = Field(
+        True, description="CPU: a prepacked weight copy for decode-sized matmuls",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
+    attention_backend: str = Field(
+        "auto",
+        description="attention kernels: auto, sdpa, inductor_paged, cpu_paged (see the quickstart)",
+        json_schema_extra=torch_only(),
+    )
+    cpu_kernels: bool = Field(
+        True,
+        description="CPU: Carousel's AVX-512 decode kernels (matmuls, attention) where they build",
+        json_schema_extra=torch_only(),
+    )
+    compile: bool = Field(
+        False, description="torch.compile the dense part of each layer at start-up (C++ compiler)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
+    sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
+    sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
+    sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")
+
+
+class CacheSettings(BaseModel):
+    """The paged KV cache (per arm)."""
+
+    block_size: int = Field(16, ge=1, description="KV block size in tokens")
+    kv_cache_gb: float | None = Field(
+        None, gt=0, description="KV cache size in GiB (default: planned from the device)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV of full blocks of earlier prompts and outputs"
+    )
+
+
+class SchedulerSettings(BaseModel):
+    """The batching policy and its budgets (per arm)."""
+
+    scheduler: str = Field(
+        "orca",
+        description="batching policy: orca, static, lpm, priority, another registered name, or "
+        "package.module:ClassName (default: orca)",
+    )
+    max_num_seqs: int = Field(32, ge=1, description="most sequences in one batch")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one iteration")
+    enable_chunked_prefill: bool = Field(
+        False, description="split long prefills over iterations under the token budget"
+    )
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="429 when a request is not scheduled within this many seconds"
+    )
+    #: the policies' own knobs by name (flat keys such as `batch_wait_ms` land here)
+    scheduler_options: dict[str, Any] = Field(default_factory=dict, exclude=False)
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str) -> str:
+        return check_scheduler(value)
+
+    @field_validator("scheduler_options")
+    @classmethod
+    def _valid_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_policy_options(value)
+
+
+class EngineSettings(BaseModel):
+    """Limits every local engine applies to its requests (per arm)."""
+
+    default_max_tokens: int = Field(
+        4096, ge=1, description="completion budget when max_tokens is absent (capped by context)"
+    )
+    max_waiting_requests: int | None = Field(
+        1024, ge=0, description="429 while this many requests wait in an engine (none: never)"
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="400 above this many prompt tokens (default: the context)"
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="torch: split the model over this many ranks (docs/parallelism.md)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
+
+
+class ServerSettings(BaseModel):
+    """HTTP, logs and lifecycle (per process)."""
+
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="port")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="require one of these Bearer keys on /v1 (repeatable)",
+        json_schema_extra={"flag": "--api-key", "metavar": "KEY"},
+    )
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="413 above this body size")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 and 503 answers")
+    sse_ping_s: float = Field(0.0, ge=0, description="SSE keep-alive comment interval (0: off)")
+    responses_store_size: int = Field(
+        1024,
+        ge=1,
+        description="stored Responses API responses (`store: true`) kept for "
+        "previous_response_id and GET, least recently used evicted first; also how many "
+        "response ids' creating arms are remembered (routing GET/DELETE to upstream arms)",
+    )
+    disconnect_poll_s: float = Field(
+        0.1, gt=0, description="how often a non-streaming request checks for its client"
+    )
+    drain_timeout_s: float = Field(
+        10.0, ge=0, description="on SIGTERM, let requests in flight finish this long"
+    )
+    metrics_open: bool = Field(True, description="serve /metrics without an API key")
+    log_level: str = Field("info", description="debug, info, warning, error")
+    log_prompts: bool = Field(False, description="log prompt text (off by default)")
+    log_json: bool = Field(True, description="JSON log lines (else human-readable)")
+    record_traffic: str | None = Field(
+        None,
+        description="append one JSONL line per request to this file, for `carousel bench "
+        "--replay` (off by default)",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    record_redact: bool = Field(
+        False, description="record lengths and parameters only, never the text"
+    )
+    record_max_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024, description="rotate the traffic record at this size"
+    )
+
+
+#: the groups, in --help order; their fields are the settings
+GROUPS: dict[str, type[BaseModel]] = {
+    "model": ModelSettings,
+    "cache": CacheSettings,
+    "scheduler": SchedulerSettings,
+    "engine": EngineSettings,
+    "server": ServerSettings,
+}
+#: groups whose every field a local arm may set for itself
+PER_ARM_GROUPS = ("cache", "scheduler", "engine")
+#: fields that are not settings a user types (derived, or filled from other keys)
+INTERNAL_FIELDS = frozenset({"scheduler_options"})
+
+
+def group_fields(group: str) -> Iterator[tuple[str, Any]]:
+    """(name, FieldInfo) of the settings a user can set in `group`, in declaration order."""
+    for name, info in GROUPS[group].model_fields.items():
+        if name not in INTERNAL_FIELDS:
+            yield name, info
+
+
+def setting_names() -> list[str]:
+    """Every key a YAML file, an env var (upper-cased) or a flag may set."""
+    names = [name for group in GROUPS for name, _ in group_fields(group)]
+    return [*names, *policy_option_names(), "arms"]
+
+
+def per_arm_names() -> list[str]:
+    """The settings a local arm may override for itself (policy options included)."""
+    names = [name for group in PER_ARM_GROUPS for name, _ in group_fields(group)]
+    extra = [
+        name
+        for group in GROUPS
+        if group not in PER_ARM_GROUPS
+        for name, info in group_fields(group)
+        if (info.json_schema_extra or {}).get("per_arm")
+    ]
+    return [*extra, *names, *policy_option_names()]
+
+
+def torch_only_defaults() -> dict[str, Any]:
+    """The settings only the torch backend honours (`torch_only`), at their defaults."""
+    return {
+        name: info.default
+        for group in GROUPS
+        for name, info in group_fields(group)
+        if (info.json_schema_extra or {}).get("torch_only")  # type: ignore[union-attr]
+    }
+
+
+def unhonoured_settings(settings: BaseModel) -> list[str]:
+    """The settings given a value that `settings.backend` would ignore."""
+    defaults = torch_only_defaults()
+    values = {name: getattr(settings, name) for name in (*defaults, "backend")}
+    if values["backend"] == "sim":
+        return [k for k, v in defaults.items() if values[k] != v]
+    if values["tensor_parallel_size"] > 1 and values["compile"]:
+        return ["compile"]  # NOTE: as TorchBackendConfig refuses it (backends/torch/config.py)
+    return []
+
+
+def unhonoured_message(settings: BaseModel) -> str | None:
+    """A refusal naming the settings `settings.backend` cannot honour (None: it honours all)."""
+    names = unhonoured_settings(settings)
+    if not names:
+        return None
+    backend = getattr(settings, "backend", "torch")
+    if backend == "torch":
+        size = getattr(settings, "tensor_parallel_size", 1)
+        backend = f"the torch backend with tensor_parallel_size {size}"
+    them = "it" if len(names) == 1 else "them"
+    return f"{backend} cannot honour {', '.join(names)}: drop {them} or choose a backend that does"
+
+
+def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
+    """A refusal naming each unknown key, its closest valid key, and every valid one."""
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unknown setting {', '.join(parts)}; valid settings are: {', '.join(valid)}"

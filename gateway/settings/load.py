@@ -1,0 +1,171 @@
+"""Settings: one model in five groups (model, cache, scheduler, engine, server).
+
+Every knob is one field here, with its help text. Everything else is derived from these
+fields: the CLI flags (gateway/settings/flags.py, grouped as below, named like `vllm serve`'s),
+the `CAROUSEL_<NAME>` environment variables, the YAML keys, the per-arm overrides
+(gateway/settings/arms.py: the cache, scheduler and engine groups, and `backend`), and what
+reaches the engine (gateway/arms/engine_factory.py reads `SchedulerConfig`, `ServingOptions` and
+`TorchBackend` arguments by field name). A policy's own knobs (static's `batch_wait_ms`)
+are declared by the policy (schedulers/base.py, `Options`) and join the scheduler group.
+
+Precedence: CLI flags > environment > YAML file > defaults. `Settings.load(config_file,
+**overrides)` builds them; `overrides` are the flags the user actually gave. The YAML file is
+`config_file`, else `$CAROUSEL_CONFIG`; its keys are the field names (`max_num_seqs: 8`; a
+`-` reads as `_`). An unknown key, a bad value or an unknown scheduler is refused with the
+list of what is valid, before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from gateway.settings.arms import ArmSettings, check_arms
+from gateway.settings.groups import (
+    DEFAULT_MODEL,
+    CacheSettings,
+    EngineSettings,
+    ModelSettings,
+    SchedulerSettings,
+    ServerSettings,
+    setting_names,
+    unhonoured_message,
+    unknown_keys_message,
+)
+from gateway.settings.policy_options import policy_option_names, split_policy_options
+
+DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
+ENV_PREFIX = "CAROUSEL_"
+_config_file: ContextVar[str | None] = ContextVar("carousel_config_file", default=None)
+
+
+class Settings(
+    ServerSettings, EngineSettings, SchedulerSettings, CacheSettings, ModelSettings, BaseSettings
+):
+    """Everything `carousel serve` can be told (see the module docstring)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    #: the deployment's arms (gateway/settings/arms.py); None: one local arm from the flags
+    arms: list[ArmSettings] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys(cls, data: Any) -> Any:
+        """Read `-` as `_`, gather policy options, refuse unknown keys naming the valid."""
+        if not isinstance(data, dict):
+            return data
+        data = {str(k).replace("-", "_"): v for k, v in data.items()}
+        data = split_policy_options(data)
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(unknown_keys_message(unknown, setting_names()))
+        return data
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        """Accept a JSON list or a comma-separated string (`CAROUSEL_API_KEYS=a,b`)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [k.strip() for k in text.split(",") if k.strip()]
+        return value
+
+    @field_validator("arms")
+    @classmethod
+    def _check_arms(cls, value: list[ArmSettings] | None) -> list[ArmSettings] | None:
+        return None if value is None else check_arms(value)
+
+    @model_validator(mode="after")
+    def _honoured(self) -> Settings:
+        """Refuse at start-up a setting an arm's backend would ignore, naming it."""
+        local = [spec for spec in self.arms or [] if spec.upstream is None]
+        arms = [self.model_copy(update=spec.engine_overrides()) for spec in local]
+        for settings in arms or [self]:
+            message = unhonoured_message(settings)
+            if message:
+                raise ValueError(message)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in `model`."""
+        return self.served_model_name or default_served_name(self.model)
+
+    @classmethod
+    def load(cls, config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+        """Settings from `overrides` > env > the YAML file > defaults."""
+        path = config_file or os.environ.get("CAROUSEL_CONFIG")
+        token = _config_file.set(str(path) if path else None)
+        try:
+            return cls(**overrides)
+        finally:
+            _config_file.reset(token)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            _PolicyOptionsEnv(settings_cls),
+            _yaml_source(settings_cls),
+        )
+
+
+class _PolicyOptionsEnv(PydanticBaseSettingsSource):
+    """`CAROUSEL_<OPTION>` for the policies' own knobs (they are not fields of Settings)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        found = {
+            name: os.environ[key]
+            for name in policy_option_names()
+            if (key := f"{ENV_PREFIX}{name.upper()}") in os.environ
+        }
+        return {"scheduler_options": found} if found else {}
+
+
+def _yaml_source(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource:
+    path = _config_file.get()
+    data: dict[str, Any] = {}
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of setting: value")
+        data = split_policy_options({str(k).replace("-", "_"): v for k, v in loaded.items()})
+    return InitSettingsSource(settings_cls, init_kwargs=data)
+
+
+def default_served_name(model: str) -> str:
+    """`default` -> smollm2-135m-instruct; a dir or .gguf file -> its name; a hub id as is."""
+    if model == DEFAULT_MODEL:
+        return DEFAULT_SERVED_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return model
