@@ -16,9 +16,9 @@ import torch
 
 from backends.torch.loader import load_model
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.fixed_texts import PASSAGES
+from backends.torch.testing.teacher_forcing import engine_logits, hf_logits, top1_agreement
 from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
-from tests.fixed_texts import PASSAGES
-from tests.teacher_forcing import engine_logits, hf_logits, top1_agreement
 
 pytestmark = pytest.mark.real_model
 PREFIX = 8

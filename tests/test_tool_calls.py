@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from backends.torch.testing.tiny_models import VOCAB, tiny_tokenizer
 from gateway.tool_call_parser import parse_tool_calls
 from gateway.tool_calls import (
     FunctionTool,
@@ -27,7 +28,6 @@ from schedulers.structured_output import (
     GrammarSpec,
     SequenceGrammar,
 )
-from tests.tiny_models import VOCAB, tiny_tokenizer
 
 WEATHER = {
     "type": "function",
