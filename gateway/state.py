@@ -31,7 +31,7 @@ def _freeze_gc() -> None:
     permanent generation, as vLLM does after start-up: a full collection then walks only what
     requests allocate. Without it, a full collection walked the whole start-up heap: 0.35 s
     with the GIL held (the event loop and the engine's Python both stalled) every few thousand
-    streamed tokens (issue 15, docs/benchmarks.md)."""
+    streamed tokens (docs/benchmarks/history/)."""
     began = time.monotonic()
     gc.collect()
     gc.freeze()

@@ -1,6 +1,6 @@
 """A sample `carousel bench` report without a model: static against Orca on a toy server.
 
-The toy server (tests/test_bench_live.py) emits one token per running sequence every few
+The toy server (bench/fake_server.py) emits one token per running sequence every few
 milliseconds, with request-level batching on the `static` arm and per-iteration refills on the
 `orca` arm, and serves /debug/trace, so the report shows every table and picture.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cli import main  # noqa: E402
-from tests.test_bench_live import FakeOptions, fake_server  # noqa: E402
+from bench.fake_server import FakeOptions, fake_server  # noqa: E402
 
 
 def demo(out: str) -> int:

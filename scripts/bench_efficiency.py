@@ -10,7 +10,7 @@ For each batch size B, side by side in one run on the same machine and weights:
           (token-id prompts, ignore_eos, greedy); the sustained rate is the tokens that
           arrived while all B were decoding (after the last first token, before the first
           finish), over that window.
-Prints a table and the ratios http/bare and bare/hf (issue #6 targets: >= 0.9 and >= 1.0).
+Prints a table and the ratios http/bare and bare/hf (targets: >= 0.9 and >= 1.0).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main() -> None:
             runs: dict[str, list[float]] = {"hf": [], "bare": [], "http": [], "client_cpu": []}
             for _ in range(args.repeats):  # interleaved, so drift hits all three alike
                 # NOTE: HF's forward on the device thread too: a second OpenMP pool on this
-                # thread would oversubscribe the cores and slow `bare` (docs/benchmarks.md)
+                # thread would oversubscribe the cores and slow `bare` (docs/benchmarks/history/)
                 runs["hf"].append(
                     run_on_device_thread(
                         hf_decode_tok_s, backend.hf_model, b, args.prompt_len, args.steps

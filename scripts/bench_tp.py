@@ -52,7 +52,7 @@ ALLREDUCE_ROWS = [1, 8, 32, 128, 512, 2048]  # a decode batch ... a prefill's to
 def save_model(path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.tiny_models import tiny_tokenizer
+    from backends.torch.testing.tiny_models import tiny_tokenizer
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(path)

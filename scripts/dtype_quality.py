@@ -3,10 +3,10 @@
     python scripts/dtype_quality.py [--max-new 48] [--attention-backend auto] [--compile]
 
 Both dtypes run the engine (TorchBackend, as shipped) over the same weights:
-1. Greedy answers to the fixed chat prompts of tests/fixed_texts.py (EOS ignored, `--max-new`
+1. Greedy answers to the fixed chat prompts of testing/fixed_texts.py (EOS ignored, `--max-new`
    tokens): how many answers are identical, and where the others first part.
 2. Perplexity of the fixed public-domain passages, teacher-forced through the engine's
-   batched decode path (tests/teacher_forcing.py), in both dtypes and for HF's own forward in
+   batched decode path (testing/teacher_forcing.py), both dtypes and HF's own forward in
    both; and the share of positions where the top-1 tokens agree (engine against HF in the
    same dtype: the oracle criterion where kernels legitimately differ; bf16 against fp32).
 """
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from backends.torch.runner import TorchBackend  # noqa: E402
-from tests.fixed_texts import PASSAGES, QUESTIONS  # noqa: E402
-from tests.teacher_forcing import (  # noqa: E402
+from backends.torch.testing.fixed_texts import PASSAGES, QUESTIONS  # noqa: E402
+from backends.torch.testing.teacher_forcing import (  # noqa: E402
     engine_greedy,
     engine_logits,
     hf_logits,

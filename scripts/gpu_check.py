@@ -37,10 +37,10 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from backends.torch.attention import available_backends  # noqa: E402
 from backends.torch.runner import TorchBackend  # noqa: E402
+from backends.torch.testing.tiny_models import ARCHITECTURES, tiny_model, tiny_tokenizer  # noqa: E402
 from schedulers.base import SchedulerConfig  # noqa: E402
 from schedulers.llm import LLM  # noqa: E402
 from schedulers.sampling_params import SamplingParams  # noqa: E402
-from tests.tiny_models import ARCHITECTURES, tiny_model, tiny_tokenizer  # noqa: E402
 
 SMOLLM2 = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -14,10 +14,10 @@ import torch
 
 from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.parallel.group import acquire_group, release_group
+from backends.torch.testing.tiny_models import ARCHITECTURES, VOCAB, tiny_model, tiny_tokenizer
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
-from tests.tiny_models import ARCHITECTURES, VOCAB, tiny_model, tiny_tokenizer
 
 LENGTHS, MAX_TOKENS = [3, 41, 9, 70, 1, 24], [12, 5, 20, 8, 16, 10]
 

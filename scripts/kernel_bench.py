@@ -64,7 +64,7 @@ def paged_decode(
 
 def on_exiting_thread(fn: Callable[[], None]) -> None:
     """`fn()` on a thread that exits after it, as the engine's device thread (an OpenMP pool
-    on the main thread of a script slows every later kernel, docs/benchmarks.md, issue 15)."""
+    on the main thread of a script slows every later kernel; docs/benchmarks/history/)."""
     thread = threading.Thread(target=fn)
     thread.start()
     thread.join()

@@ -1,4 +1,4 @@
-"""Prefix caching on against off, side by side on the default model; writes docs/benchmarks.md.
+"""Prefix caching on against off, side by side on the default model; writes bench-results/.
 
 One `carousel serve --config examples/prefix-cache.yaml` (arms `cache-on` and `cache-off`
 over one shared copy of the weights), then `carousel bench` against both arms in turn, on
@@ -78,7 +78,7 @@ def measure(run: dict[str, Any], workload: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "prefix")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--doc", type=Path, default=ROOT / "bench-results" / "prefix.md")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm per workload")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rate", type=float, default=0.5, help="shared prefix: req/s")

@@ -1,11 +1,11 @@
-"""`make bench`: the reference comparison on the default model, written to docs/benchmarks.md.
+"""`make bench`: the reference comparison on the default model, written to bench-results/.
 
 1. `carousel serve --config examples/ab.yaml` (arms `orca` and `static`, shared weights), then
    `carousel bench` against each arm in turn on the same workloads:
    a heavy-tailed burst and a moderate Poisson rate.
 2. The same chat workload (no ignore_eos: the peer rejects it) against Carousel's orca arm
    and against `transformers serve --continuous-batching` on the same converted model.
-3. docs/benchmarks.md: tables, ratios, plots and the exact commands; raw reports stay under
+3. --doc (bench-results/reference.md): tables, ratios, plots, exact commands; raw reports stay under
    --out (default bench-results/reference).
 
 Every server listens on 127.0.0.1 only and is stopped by its pid; each is also wrapped in
@@ -122,7 +122,7 @@ def copy_plots(src: Path, dest: Path, prefix: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "reference")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--doc", type=Path, default=ROOT / "bench-results" / "reference.md")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--poisson-rate", type=float, default=0.6)
     parser.add_argument("--poisson-requests", type=int, default=40)

@@ -173,7 +173,7 @@ def main() -> None:
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
     # NOTE: on the device thread, as the steps: a second OpenMP pool on this thread would
-    # oversubscribe the cores and slow every later step (docs/benchmarks.md)
+    # oversubscribe the cores and slow every later step (docs/benchmarks/history/)
     machine = run_on_device_thread(Machine.measure, dtypes)
 
     backends: dict[tuple[str, torch.dtype], TorchBackend] = {}

@@ -124,7 +124,7 @@ def no_gc_pauses() -> Iterator[None]:
 
     Late in a full run this process holds about a million objects, and one full collection
     then stops every thread for 0.6-0.7 s: long enough to send a replayed request past its
-    tolerance (CI after stop 33). A served gateway freezes its own heap after start-up
+    tolerance, as one CI run saw. A served gateway freezes its own heap after start-up
     (gateway/state.py), and the bench client runs in a small process of its own.
     """
     gc.collect()

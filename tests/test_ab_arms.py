@@ -245,7 +245,7 @@ def test_upstream_arm_errors_are_openai_shaped(upstream_gateway: str) -> None:
 
 
 def test_local_torch_arms_share_one_copy_of_the_weights(tmp_path: Path) -> None:
-    from tests.tiny_models import tiny_model, tiny_tokenizer
+    from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 
     tiny_model("llama").save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)

@@ -28,10 +28,10 @@ from backends.torch.attention.base import AttentionSpec
 from backends.torch.inputs import prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from schedulers.batch import Batch
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
-from tests.tiny_models import tiny_model, tiny_tokenizer
 
 CPU = torch.device("cpu")
 BACKENDS = available_backends(CPU)

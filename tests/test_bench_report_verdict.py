@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from bench.cli import build_config, main, register
+from bench.fake_server import FakeOptions, fake_server
 from bench.metrics import Slo, parse_slo
-from tests.test_bench_live import FakeOptions, assert_png, bench_args, fake_server
+from tests.test_bench_live import assert_png, bench_args
 
 KEYS = {"metric", "baseline", "arm", "diff", "ci95", "significant", "diff_abs", "ci95_abs"}
 

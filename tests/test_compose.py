@@ -51,7 +51,7 @@ CAROUSEL_SERVICES = ("gateway", "engine-orca", "engine-static")
 PUBLISHED = {"gateway": 8000, "grafana": 3000, "prometheus": 9090}
 CONTAINER_PORT = 8000  # every Carousel service listens on 8000 inside the network
 
-#: the metric families Carousel exports (issue #7); histograms add _bucket/_sum/_count
+#: the metric families Carousel exports; histograms add _bucket/_sum/_count
 CAROUSEL_METRICS = {
     "carousel_requests_total",
     "carousel_request_success_total",

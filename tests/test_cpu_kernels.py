@@ -63,6 +63,8 @@ def test_the_wheel_ships_every_file_the_build_reads(tmp_path: Path) -> None:
     csrc = "backends/torch/cpu_kernels/csrc/"
     missing = [n for n in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS) if csrc + n not in shipped]
     assert not missing, f"the wheel lacks {missing}"
+    tests = sorted(n for n in shipped if n.startswith("tests/"))
+    assert not tests, f"the wheel ships the tests package: {tests[:3]}"
 
 
 NO_COMPILER = "no C++ compiler (c++ or g++) on PATH"
@@ -413,7 +415,7 @@ def test_auto_takes_the_cpu_kernels_where_they_run() -> None:
 def test_cpu_kernels_false_keeps_torchs_kernels_in_one_backend() -> None:
     from backends.torch.packed import NATIVE
     from backends.torch.runner import TorchBackend
-    from tests.tiny_models import tiny_model, tiny_tokenizer
+    from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 
     def build(**kwargs: bool) -> TorchBackend:
         return TorchBackend(

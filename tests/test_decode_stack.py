@@ -16,10 +16,10 @@ from backends.torch.inputs import prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from schedulers.batch import Batch
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
-from tests.tiny_models import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="no CPU kernels here")
 

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from backends.byte_tokenizer import ByteTokenizer
 from backends.torch.loader import resolve_model
+from backends.torch.testing.tiny_models import tiny_tokenizer
 from schedulers.detokenizer import IncrementalDetokenizer, fast_decode
-from tests.tiny_models import tiny_tokenizer
 
 HF_BYTES = tiny_tokenizer()
 TEXT = st.text(

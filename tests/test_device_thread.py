@@ -10,12 +10,12 @@ import pytest
 from backends.sim import SimBackend
 from backends.torch import runner
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
+from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from gateway.arms import engine_factory
 from gateway.settings.load import Settings
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
-from tests.tiny_models import tiny_model, tiny_tokenizer
 
 
 def _alive(name: str) -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backends.torch.fused import fuse_layer
-from tests.tiny_models import ARCHITECTURES, VOCAB, tiny_model
+from backends.torch.testing.tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

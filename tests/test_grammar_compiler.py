@@ -17,6 +17,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from backends.torch.grammar_mask import allocate_bitmask
+from backends.torch.testing.tiny_models import VOCAB, tiny_tokenizer
 from schedulers.structured_output import (
     CompiledGrammar,
     GrammarCompiler,
@@ -26,7 +27,6 @@ from schedulers.structured_output import (
     GrammarSpec,
     SequenceGrammar,
 )
-from tests.tiny_models import VOCAB, tiny_tokenizer
 
 OBJECT = {
     "type": "object",

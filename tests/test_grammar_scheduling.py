@@ -33,6 +33,7 @@ from backends.sim import SimBackend
 from backends.torch import grammar_mask
 from backends.torch.grammar_mask import allocate_bitmask
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 from schedulers.base import AdmissionError, Scheduler, SchedulerConfig
 from schedulers.batch import ExecuteOutput
 from schedulers.engine import Engine
@@ -50,7 +51,6 @@ from schedulers.structured_output import (
 )
 from tests.schemas import PERSON
 from tests.test_scheduler import ids, make_scheduler, make_seq
-from tests.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
 POLICIES = ["orca", "static", "lpm", "priority"]
 TOKENIZER = tiny_tokenizer()

@@ -15,12 +15,18 @@ import torch
 from transformers import PreTrainedModel
 
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import (
+    ARCHITECTURES,
+    BLOCK_SIZE,
+    VOCAB,
+    tiny_model,
+    tiny_tokenizer,
+)
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
 from schedulers.structured_output import CompiledGrammar, GrammarSpec
 from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
-from tests.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
 PROMPT_LENGTHS = [3, 41, 9, 70, 1, 24]
 # NOTE: the first request decodes long enough (60 steps) that the later ones arrive while it

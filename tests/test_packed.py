@@ -22,7 +22,7 @@ from backends.torch.packed import (
     pack_plan,
 )
 from backends.torch.runner import TorchBackend
-from tests.tiny_models import tiny_model, tiny_tokenizer
+from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 
 CPU = torch.device("cpu")
 

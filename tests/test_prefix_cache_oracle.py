@@ -18,11 +18,11 @@ import torch
 from transformers import PreTrainedModel
 
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM, Generation
 from schedulers.sampling_params import SamplingParams
 from tests.test_oracle import hf_greedy, make_backend
-from tests.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model
 
 rng = random.Random(7)
 

@@ -23,6 +23,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import TINY, tiny_tokenizer
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app
 from gateway.arms.deployment import Deployment
@@ -31,7 +32,6 @@ from gateway.arms.upstream import UpstreamArm
 from gateway.settings.load import Settings
 from schedulers.base import SchedulerConfig
 from tests.conftest import SIM_MODEL, LiveServer, error_of, serve_app, start_server
-from tests.tiny_models import TINY, tiny_tokenizer
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"

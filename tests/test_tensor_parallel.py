@@ -21,12 +21,12 @@ from transformers import PreTrainedModel
 from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import ARCHITECTURES, BLOCK_SIZE, tiny_model, tiny_tokenizer
 from schedulers.base import SchedulerConfig
 from schedulers.client import open_stream
 from schedulers.engine import Engine
 from schedulers.sampling_params import SamplingParams
 from tests.test_oracle import DELAYS_S, MAX_TOKENS, hf_greedy, make_backend, prompts
-from tests.tiny_models import ARCHITECTURES, BLOCK_SIZE, tiny_model, tiny_tokenizer
 
 ABORTED_PROMPT = list(range(30, 60))
 ABORT_AFTER = 3  # tokens

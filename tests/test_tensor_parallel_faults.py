@@ -24,10 +24,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.torch.parallel.backend import TensorParallelBackend
+from backends.torch.testing.tiny_models import TINY, tiny_tokenizer
 from gateway.arms.local import LocalArm
 from tests.conftest import SIM_MODEL, LiveServer, error_of
 from tests.test_gateway_cli import free_port
-from tests.tiny_models import TINY, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = 2048

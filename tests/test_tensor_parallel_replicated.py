@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from backends.torch.parallel.backend import TensorParallelBackend
+from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_model, tiny_tokenizer
 from tests.test_oracle import MAX_TOKENS, hf_greedy, prompts
 from tests.test_tensor_parallel import run_with_abort
-from tests.tiny_models import BLOCK_SIZE, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -12,12 +12,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from backends.torch.parallel.shard import load_shard
 from backends.torch.parallel.sizes import ModelDims, ShardPlan, check_tensor_parallel_size
 from backends.torch.parallel.step import FlatStep
+from backends.torch.testing.tiny_models import ARCHITECTURES, TINY, tiny_model
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
 from tests.test_oracle import make_backend
-from tests.tiny_models import ARCHITECTURES, TINY, tiny_model
 
 SMOLLM2 = ModelDims(num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
                     vocab_size=49152)  # fmt: skip

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from backends.torch.testing.tiny_models import VOCAB, tiny_tokenizer
 from gateway.api.outputs.tool_parser import parse_tool_calls
 from gateway.api.outputs.tools import (
     FunctionTool,
@@ -27,7 +28,6 @@ from schedulers.structured_output import (
     GrammarSpec,
     SequenceGrammar,
 )
-from tests.tiny_models import VOCAB, tiny_tokenizer
 
 WEATHER = {
     "type": "function",

@@ -19,12 +19,12 @@ from transformers import (
 
 from backends.torch import dense, inductor, loader
 from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
 from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
-from tests.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 
 
 def make_backend(model: PreTrainedModel, path: EnginePath | None = None) -> TorchBackend:

@@ -7,7 +7,7 @@ long-lived thread (the caller's main thread, or an `asyncio.to_thread` executor 
 leaves such a pool next to the engine thread's own, and every op of every decode step then
 pays futex wake-ups. Measured on the 2-core machine, B = 32 decode iterations of a served
 engine: median 155 ms after loading on an executor thread, 127 ms after loading on a
-thread that exited (12 runs each, servers alternated; docs/benchmarks.md).
+thread that exited (12 runs each, servers alternated; docs/benchmarks/history/).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class Sampler:
             rows = torch.tensor(wanted, device=logits.device) if len(wanted) < len(seqs) else None
             asked = logits if rows is None else logits[rows]  # [R, V]
             # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
-            # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks.md)
+            # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks/history/)
             log_probs = asked.log_softmax(dim=-1)  # [R, V]
             picked = tokens if rows is None else tokens[rows]
             values = log_probs.gather(-1, picked[:, None]).squeeze(-1)  # [R]

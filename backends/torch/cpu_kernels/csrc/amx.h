@@ -4,8 +4,8 @@
 // 16 x 16 x 32 multiply-adds, 16 times a vdpbf16ps pass over the same registers, so past a
 // few rows a tile's arithmetic stops mattering and only its memory stream is left.
 // SmolLM2's 30 layers of linears, bf16, on a 2-core AMX Xeon (KVM guest): 1.0x the
-// AVX512-BF16 path at 1 row, 1.5x at 8, 2.5x at 16, 4.1x at 32, 5.4x at 64 (issue 15,
-// tenth pass in docs/benchmarks.md).
+// AVX512-BF16 path at 1 row, 1.5x at 8, 2.5x at 16, 4.1x at 32, 5.4x at 64
+// (docs/benchmarks/history/).
 //
 // Included by linear.cpp inside its anonymous namespace, after store_row, where the build
 // targets AMX (-mamx-tile -mamx-bf16).

@@ -2,8 +2,8 @@
 // order model.py's `_fused_layers` calls them, with no Python between them.
 //
 // A bf16 decode step of SmolLM2 (30 layers, 9 kernel calls each) spent about 2 ms in the
-// Python around the calls, a quarter of the step at one sequence (docs/benchmarks.md, issue
-// 15). Each call here is the very kernel Python would have called, on the same tensors, so
+// Python around the calls, a quarter of the step at one sequence (docs/benchmarks/history/).
+// Each call here is the very kernel Python would have called, on the same tensors, so
 // the step's output is bit for bit what the Python loop gives.
 #include "kernels.h"
 

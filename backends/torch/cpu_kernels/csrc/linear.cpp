@@ -134,7 +134,7 @@ void tile(const T* x, int64_t K, int64_t k0, int64_t k1, const T* w, float* part
 
 // How a tile's weights are asked for ahead of use, and whether fp32 tiles of a few passes go in
 // K chunks. The hardware prefetchers differ by vendor, and so does what pays (all linears of
-// the default model, interleaved in one process; issue 15, twelfth and seventeenth passes):
+// the default model, interleaved in one process; docs/benchmarks/history/):
 // - Intel (the AMX Xeon, where bf16 takes AMX tiles and this path is fp32's): a pass that
 //   streams asks for its own lines 8 K steps on; fp32 tiles of kRows + 1 to kChunkedRows rows
 //   go in 16 KB chunks of K, the second pass asking for the whole next chunk (1.09-1.23x whole
@@ -164,10 +164,10 @@ StreamPlan& stream_plan() {
 // later passes re-read it from L2 at compute speed, one after the other; in chunks, the second
 // pass asks for the next chunk while the passes compute (`tile`'s ahead), and the stream
 // overlaps them. fp32 on the Xeon, interleaved in one process: 1.09-1.23x whole passes at 8-32
-// rows (twelfth pass), even at 64 and 0.92x at 128 (the partial sums of that many rows no
+// rows, even at 64 and 0.92x at 128 (the partial sums of that many rows no
 // longer fit L1 beside the chunk), so more rows keep whole passes. bf16 by vdpbf16ps keeps
-// them too: 0.93-0.95x at 8 rows, 1.04-1.08x at 13-32 on the Xeon (twelfth pass); on Zen 4 no
-// dtype gains by chunks (sixteenth and seventeenth passes).
+// them too: 0.93-0.95x at 8 rows, 1.04-1.08x at 13-32 on the Xeon; on Zen 4 no
+// dtype gains by chunks.
 constexpr int64_t kChunkBytes = 16384;
 template <typename T>
 constexpr int64_t kChunk = kChunkBytes / (kTileCols * sizeof(T));

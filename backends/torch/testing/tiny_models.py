@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -21,7 +23,7 @@ ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 
 VOCAB = 320
 BLOCK_SIZE = 4
-TINY = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
