@@ -75,7 +75,9 @@ def write_report(cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
     out.mkdir(parents=True, exist_ok=True)
     _write_requests(out / "requests.jsonl", result.runs)
     notes: list[str] = []
-    comparison = bench_comparison(result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed)
+    comparison = bench_comparison(
+        result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed, cfg.verdict_user
+    )
     for entry in comparison:
         entry["rate"] = json_rate(entry["rate"])
     plots = _draw_plots(out, cfg, result.runs, notes)
@@ -100,7 +102,9 @@ def build_report(
     runs = [_run_entry(run) for run in result.runs]
     notes = list(notes)
     if comparison is None:
-        comparison = bench_comparison(result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed)
+        comparison = bench_comparison(
+            result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed, cfg.verdict_user
+        )
         for entry in comparison:
             entry["rate"] = json_rate(entry["rate"])
     if cfg.replay:
