@@ -246,6 +246,8 @@ def _write_requests(path: Path, runs: list[RunRecord]) -> None:
                     "cached_tokens": r.cached_tokens,
                     "turn": r.turn,
                     "target_input_len": r.target_input_len,
+                    "user": r.user,
+                    "deadline_ms": r.deadline_ms,
                 }
                 f.write(json.dumps(line) + "\n")
 
