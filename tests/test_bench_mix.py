@@ -3,8 +3,12 @@ deadline header, and goodput held to each request's own deadline), `--verdict-us
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from bench.cli import main
 from bench.client import DEADLINE_HEADER, ClientConfig, RequestResult, build_body, build_headers
 from bench.metrics import Slo, meets_slo
 from bench.workload import (
@@ -13,6 +17,7 @@ from bench.workload import (
     parse_deadline_mix,
     parse_mix,
 )
+from tests.test_bench_live import FakeOptions, bench_args, fake_server
 
 CFG = ClientConfig(api_base="http://127.0.0.1:1/v1", model="m")
 
@@ -54,3 +59,19 @@ def test_a_requests_own_deadline_replaces_the_ttft_objective() -> None:
     assert meets_slo(done, slo)
     done.deadline_ms = None
     assert meets_slo(done, slo)
+
+
+def test_verdict_user_compares_only_that_users_requests(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with fake_server(FakeOptions(step_s=0.002)) as (url, seen):
+        argv = bench_args(url, out, "--arm", "a", "--arm", "b", "--num-requests", "40",
+                          "--users", "heavy:3,light:1", "--verdict-user", "light",
+                          "--resamples", "100")  # fmt: skip
+        assert main(argv) == 0
+    users = [s["body"]["user"] for s in seen]
+    lines = [json.loads(line) for line in (out / "requests.jsonl").open()]
+    light = sum(line["user"] == "light" for line in lines if line["arm"] == "a")
+    assert set(users) == {"heavy", "light"} and 0 < light < 20
+    report = json.loads((out / "report.json").read_text())
+    ttft = next(e for e in report["comparison"] if e["metric"] == "ttft_p50")
+    assert ttft["n_baseline"] == ttft["n_arm"] == light
