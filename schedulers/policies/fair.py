@@ -11,9 +11,10 @@ none is active, to the counter of the last one served), so idle time banks no cr
 paper's counter lift).
 
 Starvation bound: a principal's counter only grows while it is served, and an active
-principal with the smallest counter is served next, so each waits at most for the others'
-counters to pass its own (the paper's bound: 2 x max(input weight x max_num_batched_tokens,
-output weight x max tokens) of weighted service per competitor).
+principal with the smallest counter is served next, so a backlogged principal waits at most
+until the others' counters pass its own (the paper proves the service difference between two
+backlogged clients bounded; tests/test_fair.py checks a light user never waits behind more
+than one request of a heavy stream at one seat).
 """
 
 from __future__ import annotations
