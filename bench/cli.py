@@ -23,10 +23,13 @@ from bench.workload import (
     DatasetEntry,
     RequestSpec,
     add_shared_prefix,
+    assign_mix,
     build_conversations,
     build_workload,
     load_dataset,
+    parse_deadline_mix,
     parse_dist,
+    parse_mix,
     parse_rate,
     parse_rates,
 )
@@ -207,6 +210,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     load.add_argument(
+        "--users",
+        type=_arg_type(parse_mix, "mix"),
+        default=None,
+        metavar="NAME:SHARE,...",
+        help="send each request for a user drawn by share (the body's `user`), "
+        "e.g. heavy:9,light:1",
+    )
+    load.add_argument(
+        "--deadline-mix",
+        type=_arg_type(parse_deadline_mix, "mix"),
+        default=None,
+        metavar="MS:SHARE,...",
+        help="give each request a first-token deadline drawn by share (the "
+        "X-Carousel-Deadline-Ms header; goodput then holds each request to its own)",
+    )
+    load.add_argument(
         "--warmups",
         type=_arg_type(_non_negative_int, "count"),
         default=1,
@@ -284,6 +303,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not fetch /debug/trace (no carousel picture)",
     )
+    out.add_argument(
+        "--verdict-user",
+        default=None,
+        metavar="NAME",
+        help="compute the verdict over this user's requests only (with --users)",
+    )
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -339,6 +364,9 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
         num_resamples=args.resamples,
         shared_prefix_len=args.shared_prefix_len,
         multi_turn=args.multi_turn,
+        users=args.users,
+        deadlines=args.deadline_mix,
+        verdict_user=args.verdict_user,
     )
 
 
@@ -381,6 +409,8 @@ def sharing_workload(
         specs = build_workload(cfg.num_requests, cfg.input_len, cfg.output_len, seed, dataset)
     if cfg.shared_prefix_len:
         specs = add_shared_prefix(specs, cfg.shared_prefix_len, cfg.seed)
+    if cfg.users or cfg.deadlines:
+        specs = assign_mix(specs, seed, cfg.users, cfg.deadlines)
     return specs
 
 

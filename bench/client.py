@@ -21,6 +21,7 @@ from bench.workload import RequestSpec
 
 Endpoint = Literal["chat", "completions", "responses"]
 ARM_HEADER = "X-Carousel-Arm"
+DEADLINE_HEADER = "X-Carousel-Deadline-Ms"
 ENDPOINT_PATHS: dict[Endpoint, str] = {
     "chat": "/chat/completions",
     "completions": "/completions",
@@ -69,6 +70,8 @@ class RequestResult:
     cached_tokens: int | None = None
     target_input_len: int | None = None
     turn: int | None = None  # multi-turn: this request's turn in its conversation
+    user: str | None = None  # the `user` it was sent for (`--users`)
+    deadline_ms: float | None = None  # its own TTFT objective (`--deadline-mix`)
     text: str = ""  # the answer as received (a conversation's next turn resends it)
     success: bool = False
     cancelled: bool = False
@@ -133,12 +136,18 @@ def build_body(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
         body["prompt"] = spec.as_prompt()
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if spec.user is not None:
+        body["user"] = spec.user
     return body
 
 
-def build_headers(cfg: ClientConfig, arm: str | None) -> dict[str, str]:
-    """Auth and arm-selection headers."""
+def build_headers(
+    cfg: ClientConfig, arm: str | None, deadline_ms: float | None = None
+) -> dict[str, str]:
+    """Auth, arm-selection and deadline headers."""
     headers = {"Accept": "text/event-stream"}
+    if deadline_ms is not None:
+        headers[DEADLINE_HEADER] = f"{deadline_ms:g}"
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
     if arm is not None:
@@ -226,7 +235,10 @@ async def send_request(
         async with (
             asyncio.timeout(cfg.timeout_s),
             client.stream(
-                "POST", url, json=build_body(cfg, spec), headers=build_headers(cfg, arm)
+                "POST",
+                url,
+                json=build_body(cfg, spec),
+                headers=build_headers(cfg, arm, spec.deadline_ms),
             ) as response,
         ):
             if response.status_code != 200:
@@ -307,6 +319,8 @@ async def run_requests(
             s.max_tokens,
             target_input_len=s.target_input_len,
             turn=s.turn if s.conversation is not None else None,
+            user=s.user,
+            deadline_ms=s.deadline_ms,
         )
         for s in specs
     ]

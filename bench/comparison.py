@@ -17,8 +17,10 @@ from bench.runner import BenchResult, RunRecord, arm_name
 from bench.verdict import RunSample, compare_runs, run_sample
 
 
-def _sample(run: RunRecord, slo: Slo) -> RunSample:
-    return run_sample(run.results, run.num_requests, run.outcome.duration_s, slo)
+def _sample(run: RunRecord, slo: Slo, user: str | None = None) -> RunSample:
+    """The run's samples; with `user`, only that user's requests (the others stay NaN)."""
+    results = [r for r in run.results if user is None or r.user == user]
+    return run_sample(results, run.num_requests, run.outcome.duration_s, slo)
 
 
 def bench_comparison(
@@ -27,8 +29,10 @@ def bench_comparison(
     slo: Slo,
     num_resamples: int,
     seed: int = 0,
+    user: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The `comparison` entries of report.json (each with its `rate`), baseline = `arms[0]`."""
+    """The `comparison` entries of report.json (each with its `rate`), baseline = `arms[0]`;
+    with `user` (`--verdict-user`), over that user's requests only."""
     if len(arms) < 2:
         return []
     rng = np.random.default_rng([seed, 16])
@@ -43,7 +47,7 @@ def bench_comparison(
         base_runs = sorted(by_arm.get(names[0], []), key=lambda r: r.repeat)
         if not base_runs:
             continue
-        base = [_sample(run, slo) for run in base_runs]
+        base = [_sample(run, slo, user) for run in base_runs]
         for name in names[1:]:
             runs = sorted(by_arm.get(name, []), key=lambda r: r.repeat)
             if not runs:
@@ -52,7 +56,7 @@ def bench_comparison(
                 names[0],
                 base,
                 name,
-                [_sample(run, slo) for run in runs],
+                [_sample(run, slo, user) for run in runs],
                 slo_active=slo.active,
                 rng=rng,
                 num_resamples=num_resamples,

@@ -75,7 +75,9 @@ def write_report(cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
     out.mkdir(parents=True, exist_ok=True)
     _write_requests(out / "requests.jsonl", result.runs)
     notes: list[str] = []
-    comparison = bench_comparison(result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed)
+    comparison = bench_comparison(
+        result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed, cfg.verdict_user
+    )
     for entry in comparison:
         entry["rate"] = json_rate(entry["rate"])
     plots = _draw_plots(out, cfg, result.runs, notes)
@@ -100,7 +102,9 @@ def build_report(
     runs = [_run_entry(run) for run in result.runs]
     notes = list(notes)
     if comparison is None:
-        comparison = bench_comparison(result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed)
+        comparison = bench_comparison(
+            result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed, cfg.verdict_user
+        )
         for entry in comparison:
             entry["rate"] = json_rate(entry["rate"])
     if cfg.replay:
@@ -242,6 +246,8 @@ def _write_requests(path: Path, runs: list[RunRecord]) -> None:
                     "cached_tokens": r.cached_tokens,
                     "turn": r.turn,
                     "target_input_len": r.target_input_len,
+                    "user": r.user,
+                    "deadline_ms": r.deadline_ms,
                 }
                 f.write(json.dumps(line) + "\n")
 

@@ -60,6 +60,9 @@ class BenchConfig:
     replay: dict[str, Any] | None = None  # what report.json says about the replay
     shared_prefix_len: int = 0
     multi_turn: int = 1
+    users: list[tuple[str, float]] | None = None  # `--users`
+    deadlines: list[tuple[str, float]] | None = None  # `--deadline-mix`
+    verdict_user: str | None = None  # `--verdict-user`
 
 
 @dataclass

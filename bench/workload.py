@@ -189,6 +189,9 @@ class RequestSpec:
     #: a later turn carries only its new messages, the client prepends the history)
     conversation: int | None = None
     turn: int = 1
+    #: the body's `user` (`--users`) and the `X-Carousel-Deadline-Ms` header (`--deadline-mix`)
+    user: str | None = None
+    deadline_ms: float | None = None
 
     def as_messages(self) -> list[dict[str, Any]]:
         """The chat form: the dataset's messages, or the prompt as one user message."""
@@ -332,3 +335,46 @@ def spread_offsets(specs: list[RequestSpec], offsets: list[float]) -> list[float
     for spec in specs:
         per_spec.append(next(arrivals) if spec.turn == 1 else per_spec[-1])
     return per_spec
+
+
+def parse_mix(text: str) -> list[tuple[str, float]]:
+    """`heavy:9,light:1` -> [("heavy", 0.9), ("light", 0.1)]: values and their shares."""
+    mix: list[tuple[str, float]] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        value, sep, share = part.rpartition(":")
+        if not sep or not value or not float(share) > 0:
+            raise ValueError(f"expected VALUE:SHARE with a positive share, got {part!r}")
+        mix.append((value, float(share)))
+    if not mix:
+        raise ValueError("an empty mix")
+    total = sum(share for _, share in mix)
+    return [(value, share / total) for value, share in mix]
+
+
+def parse_deadline_mix(text: str) -> list[tuple[str, float]]:
+    """A mix of deadlines in ms, e.g. `300:1,5000:1`; ValueError unless each is positive."""
+    mix = parse_mix(text)
+    for value, _ in mix:
+        if not float(value) > 0:
+            raise ValueError(f"a deadline must be a positive number of ms, got {value!r}")
+    return mix
+
+
+def assign_mix(
+    specs: list[RequestSpec],
+    seed: int,
+    users: list[tuple[str, float]] | None = None,
+    deadlines: list[tuple[str, float]] | None = None,
+) -> list[RequestSpec]:
+    """Each request's `user` and `deadline_ms`, drawn by share with `seed`."""
+    rng = np.random.default_rng([seed, 5])
+    out = []
+    for spec in specs:
+        changes: dict[str, Any] = {}
+        if users:
+            changes["user"] = users[rng.choice(len(users), p=[s for _, s in users])][0]
+        if deadlines:
+            pick = rng.choice(len(deadlines), p=[s for _, s in deadlines])
+            changes["deadline_ms"] = float(deadlines[pick][0])
+        out.append(dataclasses.replace(spec, **changes) if changes else spec)
+    return out

@@ -48,6 +48,8 @@ class RequestContext:
     _last_token_at: float | None = None
     #: the engine's id; differs from `request_id` (by a suffix) when the client chose that
     engine_request_id: str = ""
+    #: the first token's deadline, ms after arrival (`X-Carousel-Deadline-Ms`; `edf` reads it)
+    deadline_ms: float | None = None
     #: called once when the arm has accepted the request (shadow arms get their copy then)
     on_accepted: Callable[[], None] | None = None
     #: the path the traffic record's lines name

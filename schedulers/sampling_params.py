@@ -32,6 +32,10 @@ class SamplingParams:
     yet, and one whose compile failed finishes with that error. The gateway awaits the
     compile itself (so a bad grammar is a 400 before anything is queued) and hands over
     the compiled grammar.
+
+    `user` (the principal: the request's `user` field) and `deadline_ms` (the first token's
+    deadline, milliseconds after arrival, from `X-Carousel-Deadline-Ms`) are scheduling hints
+    read by the policies that order by them (`fair`, `edf`); sampling ignores them.
     """
 
     max_tokens: int = 16
@@ -50,6 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     grammar: GrammarHandle | None = field(default=None, compare=False, repr=False)
+    user: str | None = None
+    deadline_ms: float | None = None
 
     def __post_init__(self) -> None:
         problems = list(self.problems())
@@ -82,6 +88,8 @@ class SamplingParams:
             out.append(("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"))
         if self.n < 1:
             out.append(("n", f"n must be at least 1, got {self.n}"))
+        if self.deadline_ms is not None and not self.deadline_ms > 0:
+            out.append(("deadline_ms", f"deadline_ms must be positive, got {self.deadline_ms}"))
         return out
 
     @property

@@ -28,6 +28,8 @@ class FinishReason(enum.StrEnum):
 
 #: `error_code` of a sequence that was never scheduled within `max_queue_wait_s`
 QUEUE_TIMEOUT = "queue_timeout"
+#: `error_code` of a sequence refused because it can no longer start before its deadline (`edf`)
+DEADLINE_EXCEEDED = "deadline_exceeded"
 
 
 @dataclass

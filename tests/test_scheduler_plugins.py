@@ -24,7 +24,7 @@ from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = "carousel_sjf_plugin"
+PACKAGE = "carousel_spf_plugin"
 PYPROJECT = f"""
 [build-system]
 requires = ["setuptools>=61"]
@@ -35,7 +35,7 @@ name = "{PACKAGE}"
 version = "0.0.1"
 
 [project.entry-points."carousel.schedulers"]
-sjf = "{PACKAGE}.sjf:ShortestPromptFirst"
+spf = "{PACKAGE}.spf:ShortestPromptFirst"
 
 [tool.setuptools]
 packages = ["{PACKAGE}"]
@@ -54,12 +54,12 @@ def test_the_documented_policy_is_under_sixty_lines() -> None:
     assert len(policy_source().splitlines()) < 60
 
 
-def _sjf_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
-    """The documented module, loaded without leaving `sjf` in this process's registry."""
+def _spf_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The documented module, loaded without leaving `spf` in this process's registry."""
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    path = tmp_path / "sjf_doc.py"
+    path = tmp_path / "spf_doc.py"
     path.write_text(policy_source())
-    spec = importlib.util.spec_from_file_location("sjf_doc", path)
+    spec = importlib.util.spec_from_file_location("spf_doc", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -69,7 +69,7 @@ def _sjf_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
 def test_the_documented_policy_serves_shortest_first_and_overdue_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cls = _sjf_module(tmp_path, monkeypatch).ShortestPromptFirst  # type: ignore[attr-defined]
+    cls = _spf_module(tmp_path, monkeypatch).ShortestPromptFirst  # type: ignore[attr-defined]
     config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)
     sched = cls(config, BlockManager(64, 4), cls.Options(max_wait_s=5.0))
     seqs = [_seq(i, n) for i, n in enumerate((9, 3, 6))]
@@ -94,7 +94,7 @@ def installed_plugin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
     (root / "pyproject.toml").write_text(PYPROJECT)
     (root / PACKAGE).mkdir()
     (root / PACKAGE / "__init__.py").write_text("")
-    (root / PACKAGE / "sjf.py").write_text(policy_source())
+    (root / PACKAGE / "spf.py").write_text(policy_source())
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
     if importlib.util.find_spec("setuptools") is not None:
         pip.append("--no-build-isolation")
@@ -117,10 +117,10 @@ def _python(code: str) -> str:
 @pytest.mark.slow
 def test_an_installed_policy_is_found_by_name_and_by_class(installed_plugin: None) -> None:
     names = _python("from schedulers.registry import available_schedulers as a; print(a())")
-    assert "'sjf'" in names and "'orca'" in names
-    by_class = f"{PACKAGE}.sjf:ShortestPromptFirst"
+    assert "'spf'" in names and "'orca'" in names
+    by_class = f"{PACKAGE}.spf:ShortestPromptFirst"
     code = f"from schedulers.registry import scheduler_class as c; print(c({by_class!r}).name)"
-    assert _python(code) == "sjf"
+    assert _python(code) == "spf"
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_an_installed_policy_serves_as_an_arm_beside_orca(
     config.write_text(
         "served_model_name: sim\nbackend: sim\narms:\n"
         "  - {name: orca, scheduler: orca}\n"
-        "  - {name: sjf, scheduler: sjf, max_wait_s: 2}\n"
+        "  - {name: spf, scheduler: spf, max_wait_s: 2}\n"
     )
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -150,14 +150,14 @@ def test_an_installed_policy_serves_as_an_arm_beside_orca(
     try:
         _wait_healthy(url, proc)
         body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        for arm in ("orca", "sjf"):
+        for arm in ("orca", "spf"):
             response = httpx.post(
                 f"{url}/v1/chat/completions", json=body, headers={"X-Carousel-Arm": arm}
             )
             assert response.status_code == 200, response.text
             assert response.headers["X-Carousel-Arm"] == arm
         trace = httpx.get(f"{url}/debug/trace").json()["arms"]
-        assert trace["sjf"]["scheduler"] == "sjf" and trace["sjf"]["iterations"]
+        assert trace["spf"]["scheduler"] == "spf" and trace["spf"]["iterations"]
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -38,7 +38,7 @@ from schedulers.client import open_stream as open_engine_stream
 from schedulers.engine import Engine, EngineDeadError
 from schedulers.outputs import RequestOutput
 from schedulers.sampling_params import SamplingParams
-from schedulers.sequence import QUEUE_TIMEOUT, TokenLogprob
+from schedulers.sequence import DEADLINE_EXCEEDED, QUEUE_TIMEOUT, TokenLogprob
 from schedulers.structured_output import GrammarCompiler
 
 log = structlog.get_logger("carousel.gateway")
@@ -310,16 +310,16 @@ def _engine_unavailable(engine: Engine, retry_after_s: int) -> APIError:
 
 
 def output_error(runtime: EngineRuntime, output: RequestOutput) -> APIError | None:
-    """The error a finished output carries, if any: 429 for a queue timeout, 503 when the
-    engine stopped or died, else 500."""
+    """The error a finished output carries, if any: 429 for a queue timeout or a missed
+    deadline (`edf`), 503 when the engine stopped or died, else 500."""
     if output.finish_reason != "error":
         return None
     retry_after_s = runtime.options.retry_after_s
-    if output.error_code == QUEUE_TIMEOUT:
+    if output.error_code in (QUEUE_TIMEOUT, DEADLINE_EXCEEDED):
         return overloaded(
             f"The server is busy: {output.error}. Please retry shortly.",
             retry_after_s,
-            QUEUE_TIMEOUT,
+            output.error_code,
         )
     if not runtime.engine.is_alive:
         return _engine_unavailable(runtime.engine, retry_after_s)

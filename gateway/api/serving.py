@@ -63,6 +63,8 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         grammar = await finish_compile(pending, plan, runtime.options.retry_after_s)
         if grammar is not None:
             params = dataclasses.replace(params, grammar=grammar)
+        user = getattr(request, "user", None)
+        params = dataclasses.replace(params, user=user, deadline_ms=ctx.deadline_ms)
         priority = getattr(request, "priority", 0)
         stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
         ctx.accept()

@@ -30,6 +30,8 @@ from gateway.obs.metrics import CONTENT_TYPE
 from gateway.state import GatewayState
 
 router = APIRouter()
+#: the first token's deadline, in ms after arrival, for deadline-aware policies (`edf`)
+DEADLINE_HEADER = "X-Carousel-Deadline-Ms"
 v1 = APIRouter(prefix="/v1")
 
 
@@ -76,6 +78,7 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         body = await read_json(request)
         parsed = parse(endpoint.request_model, body)
         ctx.model, ctx.stream, ctx.raw_body = parsed.model, bool(parsed.stream), body
+        ctx.deadline_ms = deadline_ms(request.headers.get(DEADLINE_HEADER))
         deployment = state.deployments.get(parsed.model)
         requested = request.headers.get(ARM_HEADER) or _owner_arm(state, deployment, parsed)
         arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
@@ -104,6 +107,22 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
     )
     response.headers.update(headers)
     return response
+
+
+def deadline_ms(value: str | None) -> float | None:
+    """The `X-Carousel-Deadline-Ms` header as a positive number of ms (None when absent)."""
+    if value is None:
+        return None
+    try:
+        deadline = float(value)
+    except ValueError:
+        deadline = -1.0
+    if not 0 < deadline < float("inf"):
+        raise invalid(
+            f"{DEADLINE_HEADER} must be a positive number of milliseconds, got {value!r}.",
+            DEADLINE_HEADER,
+        )
+    return deadline
 
 
 def _owner_arm(state: GatewayState, deployment: Deployment, request: BaseModel) -> str | None:
