@@ -10,13 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from backends.torch.config import TorchBackendConfig
-from gateway.cli import main
 from gateway.arms.engine_factory import (
     scheduler_config,
     serving_options,
     sim_options,
     torch_backend_config,
 )
+from gateway.cli import main
 from gateway.settings.groups import PER_ARM_GROUPS, group_fields, torch_only_defaults
 from gateway.settings.load import Settings
 

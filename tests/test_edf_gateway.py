@@ -11,7 +11,7 @@ import httpx
 
 from backends.sim import SimBackend
 from gateway.local_arm import LocalArm
-from gateway.serving_common import ServingOptions
+from gateway.api.pipeline import ServingOptions
 from schedulers.base import SchedulerConfig
 from schedulers.sequence import DEADLINE_EXCEEDED
 from tests.conftest import CHAT, LiveServer, error_of
