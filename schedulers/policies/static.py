@@ -44,13 +44,13 @@ class StaticScheduler(Scheduler):
     A batch takes up to `max_batch_size` (default `max_num_seqs`) waiting requests in arrival
     order, waiting up to `batch_wait_ms` after the oldest arrived for it to fill. Formation
     reserves each member's worst case (prompt + max_tokens) in KV blocks, as the baseline
-    systems do, so a running batch never runs out; with prefix caching on, a member starts from its cached
-    prefix at formation and its reservation leaves out the blocks it shares. A request whose
-    output grammar is still compiling is passed over (it joins a later batch). The members'
-    prompts are prefilled together, spread over as many iterations as the token budget needs.
-    Nobody joins meanwhile; a member that finishes early returns at once and its seat stays
-    empty until the whole batch is done. The later choices of an `n > 1` request start once
-    their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
+    systems do, so a running batch never runs out; with prefix caching on, a member starts from
+    its cached prefix at formation and its reservation leaves out the blocks it shares. A
+    request whose output grammar is still compiling is passed over (it joins a later batch). The
+    members' prompts are prefilled together, spread over as many iterations as the token budget
+    needs. Nobody joins meanwhile; a member that finishes early returns at once and its seat
+    stays empty until the whole batch is done. The later choices of an `n > 1` request start
+    once their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
     `num_microbatches` is for a pipelined backend (backends/sim_plan.py reads it).
     """
 
