@@ -15,7 +15,7 @@ import numpy as np
 
 from bench.metrics import Slo
 from bench.runner import BenchResult, RunRecord, arm_name
-from bench.schedule import same_schedule
+from bench.schedule import SAME_SCHEDULE_SIMILARITY, schedule_similarity
 from bench.verdict import DEFAULT_EQUIVALENCE_MARGIN, RunSample, compare_runs, run_sample
 
 
@@ -62,8 +62,12 @@ def bench_comparison(
                 margin=margin,
             )
             num = min(len(base_runs), len(runs))
-            same = same_schedule([r.trace for r in base_runs[:num]], [r.trace for r in runs[:num]])
-            entries += [{"rate": rate, **row, "same_schedule": same} for row in rows]
+            score = schedule_similarity(
+                [r.trace for r in base_runs[:num]], [r.trace for r in runs[:num]]
+            )
+            same = None if score is None else score >= SAME_SCHEDULE_SIMILARITY
+            schedule = {"same_schedule": same, "schedule_similarity": score}
+            entries += [{"rate": rate, **row, **schedule} for row in rows]
     return entries
 
 
