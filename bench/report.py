@@ -22,8 +22,8 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
       "comparison": [{"rate", "metric", "label", "unit", "baseline", "arm",
                       "baseline_value", "arm_value", "diff", "ci95", "diff_abs", "ci95_abs",
                       "significant", "better", "equivalence_margin", "ci90", "equivalent",
-                      "outcome", "same_schedule", "schedule_similarity", "n_baseline", "n_arm", "method", "note",
-                      "sentence"}],
+                      "outcome", "same_schedule", "schedule_similarity", "n_baseline",
+                      "n_arm", "method", "note", "sentence"}],
       "ratios": [{"rate", "baseline", "arm", "<metric>_ratio", ...}],
       "files": {"report_md", "requests", "plots": [file names], "verdict_plots": [file names]},
       "notes": [str]
