@@ -55,19 +55,42 @@ class CostModel:
     activation_bytes: int = 2
     link_latency_s: float = 5e-6
     link_bandwidth: float = 100e9
+    #: pipeline stages, each running `num_layers / pipeline_parallel_size` layers in turn
+    pipeline_parallel_size: int = 1
+    #: pieces a batch is cut into to keep the stages busy (FasterTransformer's microbatches)
+    num_microbatches: int = 1
+    #: sending one microbatch's activations to the next stage (inter-node in the paper)
+    stage_link_latency_s: float = 0.0
 
-    def all_reduce_s(self, num_bytes: int) -> float:
+    def all_reduce_s(self, num_bytes: float) -> float:
         """One ring all-reduce of `num_bytes` over the TP ranks (0 without TP)."""
         n = self.tensor_parallel_size
         hops = 2 * (n - 1)
         return hops * self.link_latency_s + hops / n * num_bytes / self.link_bandwidth
 
-    def communication_s(self, num_tokens: int) -> float:
+    def communication_s(self, num_tokens: float) -> float:
         """The step's all-reduces: 2 per layer plus the embedding's."""
         message = num_tokens * self.hidden_size * self.activation_bytes
         return (2 * self.num_layers + 1) * self.all_reduce_s(message)
 
-    def iteration_time(self, num_tokens: int, num_context_tokens: int) -> float:
+    def iteration_time(
+        self, num_tokens: int, num_context_tokens: int, num_seqs: int | None = None
+    ) -> float:
+        """One step; with pipeline stages or microbatches see `pipelined_time`."""
+        if self.pipeline_parallel_size > 1 or self.num_microbatches > 1:
+            return self.pipelined_time(num_tokens, num_context_tokens, num_seqs or 1)
+        return self._whole_model_time(num_tokens, num_context_tokens)
+
+    def pipelined_time(self, num_tokens: int, num_context_tokens: int, num_seqs: int) -> float:
+        """A batch cut into `m` microbatches flows through `p` stages: each stage runs its
+        share of the layers per microbatch (its weights read again each time), and a step
+        takes `max(m, p)` stage slots, since a microbatch's next token needs its last one."""
+        p = self.pipeline_parallel_size
+        m = max(1, min(self.num_microbatches, num_seqs))
+        stage = self._whole_model_time(num_tokens / m, num_context_tokens / m) / p
+        return max(m, p) * (stage + self.stage_link_latency_s * (p > 1))
+
+    def _whole_model_time(self, num_tokens: float, num_context_tokens: float) -> float:
         compute = (
             self.fixed_s
             + self.per_token_s * num_tokens
@@ -118,7 +141,7 @@ class SimBackend(Backend):
             s.num_computed_tokens + n
             for s, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True)
         )
-        elapsed = self.cost.iteration_time(batch.total_tokens, context)
+        elapsed = self.cost.iteration_time(batch.total_tokens, context, len(batch.seqs))
         self.virtual_time_s += elapsed
         self.num_iterations += 1
         if self.time_scale > 0:

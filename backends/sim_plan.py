@@ -13,12 +13,17 @@ bound that is tight at both ends: decode is all weight reads, long prefills all 
 - the all-reduces (2 per layer + 1), over the GPU's link (its NCCL bus bandwidth and a
   per-hop latency).
 
+With `pp` pipeline stages each rank holds 1/(tp * pp) of the weights and KV, a step runs the
+stages in turn (`CostModel.pipelined_time`), and stages hand activations over the node link
+(`STAGE_LINK_LATENCY_S`).
+
 Every number is printed with the result (scripts/plan_tp.py): the answer is only as good as
 these assumptions, and scripts/bench_tp.py measures the link terms on a real machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -33,6 +38,8 @@ from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
 
 GB = 1e9
+#: one stage-to-stage send of a few MB of activations over InfiniBand (HDR, 200 Gb/s per GPU)
+STAGE_LINK_LATENCY_S = 20e-6
 
 
 @dataclass(frozen=True)
@@ -80,12 +87,25 @@ class Efficiency:
     memory_reserve: float = 0.1  # of each GPU's memory: activations, workspace, fragmentation
 
 
+def gpt3(name: str, num_layers: int, hidden_size: int, vocab_size: int = 50257) -> ModelShape:
+    """A GPT-3-style shape: 12 h^2 weights per layer plus the embedding, heads of 128, MHA."""
+    params = 12 * num_layers * hidden_size**2 + vocab_size * hidden_size
+    heads = hidden_size // 128
+    return ModelShape(name, float(params), num_layers, hidden_size, heads, heads, 128)
+
+
 MODELS = {
+    "gpt3-13b": gpt3("GPT-3-13B", 40, 5120),
+    "gpt3-101b": gpt3("GPT-3-101B", 80, 10240),
+    "gpt3-175b": gpt3("GPT-3-175B", 96, 12288),
+    "gpt3-341b": gpt3("GPT-3-341B", 120, 15360),
     "llama-70b": ModelShape("Llama-3-70B", 70.6e9, 80, 8192, 64, 8, 128),
     "llama-8b": ModelShape("Llama-3-8B", 8.0e9, 32, 4096, 32, 8, 128),
     "smollm2-135m": ModelShape("SmolLM2-135M", 0.135e9, 30, 576, 9, 3, 64),
 }
 GPUS = {
+    # the Orca paper's GPUs (Azure ND96asr A100 v4): 1555 GB/s HBM2, NVLink 3 within a node
+    "a100-40gb": Gpu("A100-SXM4-40GB", 40, 1555, 312, 230, 2.0),
     # NVLink 3: 600 GB/s bidirectional per GPU; NCCL all-reduce reaches ~230 GB/s busbw
     "a100-80gb": Gpu("A100-SXM4-80GB", 80, 2039, 312, 230, 2.0),
     # NVLink 4: 900 GB/s bidirectional per GPU; NCCL all-reduce reaches ~360 GB/s busbw
@@ -93,8 +113,10 @@ GPUS = {
 }
 
 
-def cost_model(model: ModelShape, gpu: Gpu, tp: int, eff: Efficiency) -> CostModel:
-    """The sim's per-step cost of `model` over `tp` ranks of `gpu` (see the module docstring)."""
+def cost_model(
+    model: ModelShape, gpu: Gpu, tp: int, eff: Efficiency, pp: int = 1, microbatches: int = 1
+) -> CostModel:
+    """The sim's per-step cost of `model` over `tp` x `pp` ranks of `gpu` (module docstring)."""
     hbm = gpu.hbm_gb_s * GB * eff.hbm_efficiency
     return CostModel(
         fixed_s=model.weight_bytes / tp / hbm + model.num_layers * eff.layer_overhead_s,
@@ -106,15 +128,21 @@ def cost_model(model: ModelShape, gpu: Gpu, tp: int, eff: Efficiency) -> CostMod
         activation_bytes=model.dtype_bytes,
         link_latency_s=gpu.link_latency_us * 1e-6,
         link_bandwidth=gpu.link_gb_s * GB,
+        pipeline_parallel_size=pp,
+        num_microbatches=microbatches,
+        stage_link_latency_s=STAGE_LINK_LATENCY_S if pp > 1 else 0.0,
     )
 
 
-def kv_blocks(model: ModelShape, gpu: Gpu, tp: int, block_size: int, eff: Efficiency) -> int:
+def kv_blocks(
+    model: ModelShape, gpu: Gpu, tp: int, block_size: int, eff: Efficiency, pp: int = 1
+) -> int:
     """KV blocks that fit: each rank's memory after its weights and the reserve."""
-    free = gpu.memory_gb * GB * (1 - eff.memory_reserve) - model.weight_bytes / tp
+    ranks = tp * pp
+    free = gpu.memory_gb * GB * (1 - eff.memory_reserve) - model.weight_bytes / ranks
     if free <= 0:
-        raise ValueError(f"{model.name} does not fit on {tp} x {gpu.name}")
-    per_block = model.kv_bytes_per_token / tp * block_size
+        raise ValueError(f"{model.name} does not fit on {tp} x {pp} x {gpu.name}")
+    per_block = model.kv_bytes_per_token / ranks * block_size
     return int(free // per_block)
 
 
@@ -133,6 +161,8 @@ class Workload:
     output_sigma: float = 0.8
     max_tokens: int = 512
     seed: int = 0
+    #: outputs uniform in this range instead (the Orca paper's workload), EOS never early
+    output_uniform: tuple[int, int] | None = None
 
     def requests(self) -> list[tuple[float, int, int]]:
         """(arrival time s, prompt tokens, output tokens) of each request."""
@@ -141,6 +171,9 @@ class Workload:
         for _ in range(self.num_requests):
             t += rng.expovariate(self.rate)
             prompt = rng.randint(*self.prompt_tokens)
+            if self.output_uniform is not None:
+                out.append((t, prompt, rng.randint(*self.output_uniform)))
+                continue
             length = round(rng.lognormvariate(math.log(self.output_median), self.output_sigma))
             out.append((t, prompt, min(self.max_tokens, max(1, length))))
         return out
@@ -161,6 +194,8 @@ class PlanResult:
     tpot_mean_s: float
     mean_batch_size: float
     max_waiting: int
+    #: median end-to-end latency per generated token (the Orca paper's normalised latency)
+    normalized_latency_p50_s: float = math.nan
 
     @property
     def throughput_rps(self) -> float:
@@ -184,20 +219,29 @@ def simulate(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     max_model_len: int = 4096,
+    options: dict[str, object] | None = None,
+    return_with_batch: bool = False,
 ) -> PlanResult:
     """Run `jobs` ((arrival s, prompt tokens, output tokens), by arrival; each asking
-    `max_tokens`) through the `policy` scheduler and the sim backend, in virtual time."""
-    backend = SimBackend(
-        num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, cost=cost
-    )
+    `max_tokens`) through the `policy` scheduler and the sim backend, in virtual time.
+    `options`: the policy's own (static defaults to `batch_wait_ms=0`). `return_with_batch`:
+    a finished request's response leaves only once nothing runs (FasterTransformer returns a
+    request-level batch whole), so its latency is its batch's."""
     blocks = BlockManager(num_blocks, block_size)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    options = {"batch_wait_ms": 0.0} if policy == "static" else None
+    if policy == "static":
+        options = {"batch_wait_ms": 0.0, **(options or {})}
     scheduler = create_scheduler(policy, config, blocks, options)
+    microbatches = getattr(scheduler.options, "num_microbatches", None)
+    if microbatches is not None:  # the policy cuts its batches: the backend pipelines them
+        cost = dataclasses.replace(cost, num_microbatches=microbatches)
+    backend = SimBackend(
+        num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, cost=cost
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     eos = frozenset({EOS_TOKEN_ID})
     arrival: dict[int, float] = {}
@@ -206,6 +250,7 @@ def simulate(
     done: dict[int, float] = {}
     batch_sizes: list[int] = []
     refused = max_waiting = 0
+    held: list[int] = []
     clock, next_job = 0.0, 0
     while next_job < len(jobs) or scheduler.has_work:
         while next_job < len(jobs) and jobs[next_job][0] <= clock:
@@ -237,7 +282,10 @@ def simulate(
             if seq.seq_id in output.sampled:
                 first.setdefault(seq.seq_id, clock)
                 if seq.is_finished:
-                    done[seq.seq_id] = clock
+                    held.append(seq.seq_id)
+        if held and (not return_with_batch or not scheduler.running):
+            done.update((i, clock) for i in held)
+            held.clear()
     ttft = [first[i] - arrival[i] for i in done]
     latency = [done[i] - arrival[i] for i in done]
     tpot = [(done[i] - first[i]) / (target[i] - 1) for i in done if target[i] > 1]
@@ -253,4 +301,7 @@ def simulate(
         tpot_mean_s=statistics.fmean(tpot) if tpot else math.nan,
         mean_batch_size=statistics.fmean(batch_sizes) if batch_sizes else 0.0,
         max_waiting=max_waiting,
+        normalized_latency_p50_s=statistics.median((done[i] - arrival[i]) / target[i] for i in done)
+        if done
+        else math.nan,
     )

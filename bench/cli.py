@@ -277,6 +277,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bootstrap resamples behind the verdict's 95%% intervals (default: 2000)",
     )
     out.add_argument(
+        "--equivalence-margin",
+        type=_arg_type(_positive_float, "relative margin"),
+        default=0.05,
+        help="the verdict calls two arms equivalent on a metric when a TOST rules out a "
+        "relative difference this large (default: 0.05, i.e. 5%%)",
+    )
+    out.add_argument(
         "--slo-ttft",
         type=_arg_type(_positive_float, "ms"),
         default=None,
@@ -362,6 +369,7 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
         warmups=args.warmups,
         repeats=args.repeats,
         num_resamples=args.resamples,
+        equivalence_margin=args.equivalence_margin,
         shared_prefix_len=args.shared_prefix_len,
         multi_turn=args.multi_turn,
         users=args.users,

@@ -2,7 +2,8 @@
 
 Both arms of a rate ran the same workloads (repeat r on seed + r, or the replayed record), so
 the resampling is paired (bench/verdict.py). The bootstrap's generator is seeded from `--seed`,
-so one report gives the same intervals when it is written again.
+so one report gives the same intervals when it is written again. Each entry also says whether
+the two arms ran the same iteration schedule (`same_schedule`, bench/schedule.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 
 from bench.metrics import Slo
 from bench.runner import BenchResult, RunRecord, arm_name
-from bench.verdict import RunSample, compare_runs, run_sample
+from bench.schedule import SAME_SCHEDULE_SIMILARITY, schedule_similarity
+from bench.verdict import DEFAULT_EQUIVALENCE_MARGIN, RunSample, compare_runs, run_sample
 
 
 def _sample(run: RunRecord, slo: Slo, user: str | None = None) -> RunSample:
@@ -30,6 +32,7 @@ def bench_comparison(
     num_resamples: int,
     seed: int = 0,
     user: str | None = None,
+    margin: float = DEFAULT_EQUIVALENCE_MARGIN,
 ) -> list[dict[str, Any]]:
     """The `comparison` entries of report.json (each with its `rate`), baseline = `arms[0]`;
     with `user` (`--verdict-user`), over that user's requests only."""
@@ -60,8 +63,15 @@ def bench_comparison(
                 slo_active=slo.active,
                 rng=rng,
                 num_resamples=num_resamples,
+                margin=margin,
             )
-            entries += [{"rate": rate, **row} for row in rows]
+            num = min(len(base_runs), len(runs))
+            score = schedule_similarity(
+                [r.trace for r in base_runs[:num]], [r.trace for r in runs[:num]]
+            )
+            same = None if score is None else score >= SAME_SCHEDULE_SIMILARITY
+            schedule = {"same_schedule": same, "schedule_similarity": score}
+            entries += [{"rate": rate, **row, **schedule} for row in rows]
     return entries
 
 
@@ -75,7 +85,9 @@ def verdict_markdown(entries: list[dict[str, Any]], rate_text: Callable[[Any], s
         "",
         f"Each arm against **{first['baseline']}** (the first arm): differences relative to it "
         f"(arm / {first['baseline']} - 1) with 95% intervals, {first['method']}. "
-        "A metric is significant when its interval excludes 0.",
+        "A metric is significant when its interval excludes 0; equivalent (no difference "
+        f"larger than {first.get('equivalence_margin', 0.05):.0%}) when its 90% interval lies "
+        "inside the margin (two one-sided tests); inconclusive when neither.",
         "",
     ]
     groups: dict[tuple[Any, str], list[dict[str, Any]]] = {}
@@ -83,6 +95,13 @@ def verdict_markdown(entries: list[dict[str, Any]], rate_text: Callable[[Any], s
         groups.setdefault((entry["rate"], entry["arm"]), []).append(entry)
     for (rate, arm), rows in groups.items():
         lines += [f"### {arm} against {rows[0]['baseline']} @ {rate_text(rate)} req/s", ""]
+        if rows[0].get("same_schedule"):
+            lines += [
+                f"**same schedule**: {arm} and {rows[0]['baseline']} ran identical iteration "
+                "schedules (batch sizes, prefill and decode tokens, in order); the policy "
+                "changed nothing here.",
+                "",
+            ]
         for row in rows:
             mark = {True: "**better**: ", False: "**worse**: "}.get(row["better"], "")
             note = f" _({row['note']})_" if row["note"] and row["significant"] is not None else ""

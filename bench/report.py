@@ -7,7 +7,8 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
       "config": {"url", "model", "endpoint", "arms", "num_requests", "rates", "burstiness",
                  "input_len", "output_len", "dataset", "seed", "max_concurrency",
                  "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups",
-                 "repeats", "resamples", "replay": null | {"files", "time_scale", ...},
+                 "repeats", "resamples", "equivalence_margin",
+                 "replay": null | {"files", "time_scale", ...},
                  "shared_prefix_len", "multi_turn"},
       "workload": {"num_requests", "mean_target_input_len", "mean_max_tokens"},
       "runs": [{"arm", "rate", "repeat", "start_time", "end_time", "interrupted",
@@ -20,8 +21,9 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
                                  "ttft_ms_first_turns", "ttft_ms_later_turns"}}],
       "comparison": [{"rate", "metric", "label", "unit", "baseline", "arm",
                       "baseline_value", "arm_value", "diff", "ci95", "diff_abs", "ci95_abs",
-                      "significant", "better", "n_baseline", "n_arm", "method", "note",
-                      "sentence"}],
+                      "significant", "better", "equivalence_margin", "ci90", "equivalent",
+                      "outcome", "same_schedule", "schedule_similarity", "n_baseline",
+                      "n_arm", "method", "note", "sentence"}],
       "ratios": [{"rate", "baseline", "arm", "<metric>_ratio", ...}],
       "files": {"report_md", "requests", "plots": [file names], "verdict_plots": [file names]},
       "notes": [str]
@@ -76,7 +78,13 @@ def write_report(cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
     _write_requests(out / "requests.jsonl", result.runs)
     notes: list[str] = []
     comparison = bench_comparison(
-        result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed, cfg.verdict_user
+        result,
+        cfg.arms,
+        cfg.slo,
+        cfg.num_resamples,
+        cfg.seed,
+        cfg.verdict_user,
+        margin=cfg.equivalence_margin,
     )
     for entry in comparison:
         entry["rate"] = json_rate(entry["rate"])
@@ -103,7 +111,13 @@ def build_report(
     notes = list(notes)
     if comparison is None:
         comparison = bench_comparison(
-            result, cfg.arms, cfg.slo, cfg.num_resamples, cfg.seed, cfg.verdict_user
+            result,
+            cfg.arms,
+            cfg.slo,
+            cfg.num_resamples,
+            cfg.seed,
+            cfg.verdict_user,
+            margin=cfg.equivalence_margin,
         )
         for entry in comparison:
             entry["rate"] = json_rate(entry["rate"])
@@ -176,6 +190,7 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
         "warmups": cfg.warmups,
         "repeats": cfg.repeats,
         "resamples": cfg.num_resamples,
+        "equivalence_margin": cfg.equivalence_margin,
         "replay": cfg.replay,
         "shared_prefix_len": cfg.shared_prefix_len,
         "multi_turn": cfg.multi_turn,

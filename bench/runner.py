@@ -55,6 +55,7 @@ class BenchConfig:
     warmups: int = 0
     repeats: int = 1
     num_resamples: int = 2000
+    equivalence_margin: float = 0.05
     #: a replay's send times (seconds after the start), instead of arrivals drawn at a rate
     offsets: list[float] | None = None
     replay: dict[str, Any] | None = None  # what report.json says about the replay

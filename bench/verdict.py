@@ -9,6 +9,11 @@ is arm - baseline in the metric's unit; `ci95` and `ci95_abs` are their percenti
 for a goodput share of 0), and None when there is no interval at all (throughput from a single
 run: a run's duration is one number, so only `--repeats` can tell how much it varies).
 
+Equivalence (two one-sided tests, TOST, at the same alpha = 0.05): the arms are `equivalent`
+when the 90% interval of the relative difference lies inside (-margin, +margin), the margin
+from `--equivalence-margin` (default 5%). `outcome` is then "difference" (significant),
+"equivalent" (no difference larger than the margin) or "inconclusive" (neither).
+
 Resampling (bench/stats.py): over requests, or over runs and then requests with several runs.
 When both arms ran the same workload (the bench, a replay) the resamples are paired: one draw of
 request indices is applied to both arms, so a long prompt drawn twice weighs twice in each, and
@@ -30,6 +35,8 @@ from bench.stats import percentile_interval, resample_weights, weighted_mean, we
 
 Kind = Literal["quantile", "throughput", "share"]
 DEFAULT_RESAMPLES = 2000
+#: relative margin of the equivalence test: differences inside +-5% count as none
+DEFAULT_EQUIVALENCE_MARGIN = 0.05
 #: below this many samples beyond a quantile, its interval is flagged as rough
 MIN_TAIL_SAMPLES = 10
 
@@ -178,6 +185,7 @@ def compare_runs(
     num_resamples: int = DEFAULT_RESAMPLES,
     paired: bool = True,
     metrics: Sequence[MetricSpec] = METRICS,
+    margin: float = DEFAULT_EQUIVALENCE_MARGIN,
 ) -> list[dict[str, Any]]:
     """One entry per metric (goodput only with an SLO): `arm` against `baseline`."""
     num = min(len(base_runs), len(arm_runs)) if paired else None
@@ -197,7 +205,9 @@ def compare_runs(
         other = estimate(spec, arm_runs, arm_w)
         requests = min(sum(r.size for r in base_runs), sum(r.size for r in arm_runs))
         units = num_runs if num_runs > 1 else requests
-        entries.append(compare_estimates(spec, baseline, base, arm, other, method, units))
+        entries.append(
+            compare_estimates(spec, baseline, base, arm, other, method, units, margin=margin)
+        )
     return entries
 
 
@@ -215,25 +225,31 @@ def compare_estimates(
     other: Estimate,
     method: str,
     num_units: int | None = None,
+    *,
+    margin: float = DEFAULT_EQUIVALENCE_MARGIN,
 ) -> dict[str, Any]:
     """The comparison entry of one metric from two arms' estimates (see the module docstring).
 
     `num_units`: what the outer resampling level drew (runs, or requests), for the interval.
+    `margin`: the relative equivalence margin of the TOST.
     """
     diff = diff_abs = None
     if base.value is not None and other.value is not None:
         diff_abs = other.value - base.value
         diff = other.value / base.value - 1 if base.value != 0 else None
-    ci = ci_abs = None
+    ci = ci_abs = ci90 = None
     if base.replicates is not None and other.replicates is not None:
         with np.errstate(invalid="ignore", divide="ignore"):
-            ci = percentile_interval(other.replicates / base.replicates - 1, num_units=num_units)
+            relative = other.replicates / base.replicates - 1
+            ci = percentile_interval(relative, num_units=num_units)
             ci_abs = percentile_interval(other.replicates - base.replicates, num_units=num_units)
+            ci90 = percentile_interval(relative, level=0.90, num_units=num_units)
     decisive = ci if ci is not None and diff is not None else ci_abs
     significant = None if decisive is None else bool(decisive[0] > 0 or decisive[1] < 0)
     better = None
     if significant and diff_abs is not None:
         better = (diff_abs > 0) == spec.higher_is_better
+    equivalent = _equivalent(ci90 if diff is not None else None, ci_abs, margin)
     entry: dict[str, Any] = {
         "metric": spec.key,
         "label": spec.label,
@@ -248,6 +264,10 @@ def compare_estimates(
         "ci95_abs": list(ci_abs) if ci_abs is not None else None,
         "significant": significant,
         "better": better,
+        "equivalence_margin": margin,
+        "ci90": list(ci90) if ci90 is not None and diff is not None else None,
+        "equivalent": equivalent,
+        "outcome": _outcome(significant, equivalent),
         "n_baseline": base.n,
         "n_arm": other.n,
         "method": method,
@@ -255,6 +275,25 @@ def compare_estimates(
     }
     entry["sentence"] = sentence(entry)
     return entry
+
+
+def _equivalent(
+    ci90: tuple[float, float] | None, ci_abs: tuple[float, float] | None, margin: float
+) -> bool | None:
+    """TOST: both one-sided tests reject a difference of +-margin (None: no interval at all)."""
+    if ci90 is not None:
+        return bool(-margin < ci90[0] and ci90[1] < margin)
+    if ci_abs is not None:  # relative undefined (baseline 0): only an exact tie is equivalent
+        return bool(ci_abs[0] == 0 == ci_abs[1])
+    return None
+
+
+def _outcome(significant: bool | None, equivalent: bool | None) -> str | None:
+    if significant is None:
+        return None
+    if significant:
+        return "difference"
+    return "equivalent" if equivalent else "inconclusive"
 
 
 def _note(spec: MetricSpec, base: Estimate, other: Estimate) -> str | None:
@@ -293,18 +332,36 @@ def sentence(entry: dict[str, Any]) -> str:
     if entry["significant"] is None:
         return f"{arm} {verb} {label} by {_pct(diff, _digits(diff))} ({entry['note']})"
     if not entry["significant"]:
-        if ci is None:
-            return f"no significant difference in {label}"
-        d = _digits(diff, *ci)
-        return (
-            f"no significant difference in {label} ({arm} {diff * 100:+.{d}f}%, "
-            f"95% CI {ci[0] * 100:+.{d}f}% to {ci[1] * 100:+.{d}f}%)"
-        )
+        return _no_difference_sentence(entry)
     lo, hi = sorted(abs(x) for x in ci) if ci is not None else (None, None)
     if lo is None or hi is None:
         return f"{arm} {verb} {label} by {_pct(diff, _digits(diff))}"
     d = _digits(diff, lo, hi)
     return f"{arm} {verb} {label} by {_pct(diff, d)} (95% CI {_pct(lo, d)}-{_pct(hi, d)})"
+
+
+def _no_difference_sentence(entry: dict[str, Any]) -> str:
+    """Equivalent, inconclusive, or (entries without a TOST) plainly not significant."""
+    arm, label, diff, ci = entry["arm"], entry["label"], entry["diff"], entry["ci95"]
+    equivalent, margin = entry.get("equivalent"), entry.get("equivalence_margin")
+    ci90 = entry.get("ci90")
+    if equivalent and margin is not None and ci90 is not None:
+        d = _digits(diff, *ci90)
+        return (
+            f"no difference in {label} larger than {margin * 100:g}% "
+            f"({arm} {diff * 100:+.{d}f}%, 90% CI {ci90[0] * 100:+.{d}f}% to "
+            f"{ci90[1] * 100:+.{d}f}%)"
+        )
+    if ci is None:
+        return f"no significant difference in {label}"
+    d = _digits(diff, *ci)
+    body = f"{arm} {diff * 100:+.{d}f}%, 95% CI {ci[0] * 100:+.{d}f}% to {ci[1] * 100:+.{d}f}%"
+    if equivalent is False and margin is not None:
+        return (
+            f"inconclusive on {label}: no significant difference, but one up to "
+            f"{margin * 100:g}% is not ruled out ({body})"
+        )
+    return f"no significant difference in {label} ({body})"
 
 
 def _share_sentence(entry: dict[str, Any]) -> str:
@@ -316,6 +373,12 @@ def _share_sentence(entry: dict[str, Any]) -> str:
         return f"{arm} changes {label} {span} ({pp:+.1f} pp, no interval)"
     interval = f"95% CI {ci[0] * 100:+.1f} to {ci[1] * 100:+.1f} pp"
     if not entry["significant"]:
+        margin = entry.get("equivalence_margin")
+        if entry.get("equivalent") and margin is not None:
+            relative = f"larger than {margin * 100:g}% relative"
+            return f"no difference in {label} {relative} ({span}, {interval})"
+        if entry.get("equivalent") is False:
+            return f"inconclusive on {label}: not significant, not ruled out ({span}, {interval})"
         return f"no significant difference in {label} ({span}, {interval})"
     verb = "raises" if pp > 0 else "lowers"
     return f"{arm} {verb} {label} {span} ({pp:+.1f} pp, {interval})"

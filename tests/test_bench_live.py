@@ -161,3 +161,18 @@ def test_sigint_stops_cleanly_and_still_writes_the_report(tmp_path: Path) -> Non
     m = report["runs"][0]["metrics"]
     assert m["cancelled"] == 8 and m["completed"] == 0
     assert (out / "report.md").exists()
+
+
+def test_verdict_compares_the_arms_schedules(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # toy steps far longer than the burst's spread: most arrivals land in the same step
+    with fake_server(FakeOptions(step_s=0.05)) as (url, _):
+        rc = main(bench_args(url, out, "--arm", "orca", "--arm", "orca-again", "--arm", "static"))
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for entry in report["comparison"]:
+        by_arm.setdefault(entry["arm"], []).append(entry)
+    assert {e["same_schedule"] for e in by_arm["static"]} == {False}
+    again = {e["schedule_similarity"] for e in by_arm["orca-again"]}
+    assert len(again) == 1 and 0 < again.pop() <= 1

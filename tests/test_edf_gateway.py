@@ -10,8 +10,8 @@ from collections.abc import Callable
 import httpx
 
 from backends.sim import SimBackend
-from gateway.local_arm import LocalArm
 from gateway.api.pipeline import ServingOptions
+from gateway.arms.local import LocalArm
 from schedulers.base import SchedulerConfig
 from schedulers.sequence import DEADLINE_EXCEEDED
 from tests.conftest import CHAT, LiveServer, error_of

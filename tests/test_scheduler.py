@@ -183,6 +183,21 @@ def test_static_forms_at_once_when_the_batch_is_full() -> None:
     assert len(batch.seqs) == 2
 
 
+def test_static_max_batch_size_caps_a_batch_below_max_num_seqs() -> None:
+    sched = make_scheduler("static", max_num_seqs=8, max_batch_size=2, batch_wait_ms=10_000)
+    for _ in range(3):
+        sched.add(make_seq(4))
+    batch, _ = run_step(sched)  # two waiting fill a batch of 2: it forms without waiting
+    assert len(batch.seqs) == 2 and len(sched.waiting) == 1
+
+
+def test_static_rejects_bad_batch_options() -> None:
+    with pytest.raises(ValueError, match="num_microbatches"):
+        make_scheduler("static", num_microbatches=0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        make_scheduler("static", max_batch_size=-1)
+
+
 def test_static_reserves_worst_case_kv_at_formation() -> None:
     # 8 blocks of 4 slots: each request needs (4 + 8) / 4 = 3 blocks at worst
     sched = make_scheduler("static", num_blocks=8, max_num_seqs=4)

@@ -20,30 +20,48 @@ class StaticOptions:
     batch_wait_ms: float = field(
         default=0.0, metadata={"help": "static: wait this long (ms) for a batch to fill"}
     )
+    max_batch_size: int = field(
+        default=0, metadata={"help": "static: most requests in a batch (0: max_num_seqs)"}
+    )
+    num_microbatches: int = field(
+        default=1,
+        metadata={"help": "static: microbatches a batch is cut into (a pipelined backend's)"},
+    )
 
     def __post_init__(self) -> None:
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be at least 0, got {self.batch_wait_ms}")
+        if self.max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be at least 0, got {self.max_batch_size}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be at least 1, got {self.num_microbatches}")
 
 
 @register_scheduler("static")
 class StaticScheduler(Scheduler):
     """Form a batch when nothing runs; run it until every member has finished.
 
-    A batch takes up to `max_num_seqs` waiting requests in arrival order, waiting up to
-    `batch_wait_ms` after the oldest arrived for it to fill. Formation reserves each
-    member's worst case (prompt + max_tokens) in KV blocks, as the baseline systems do, so a
-    running batch never runs out; with prefix caching on, a member starts from its cached
-    prefix at formation and its reservation leaves out the blocks it shares. A request whose
-    output grammar is still compiling is passed over (it joins a later batch). The members'
-    prompts are prefilled together, spread over as many iterations as the token budget needs.
-    Nobody joins meanwhile; a member that finishes early returns at once and its seat stays
-    empty until the whole batch is done. The later choices of an `n > 1` request start once
-    their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
+    A batch takes up to `max_batch_size` (default `max_num_seqs`) waiting requests in arrival
+    order, waiting up to `batch_wait_ms` after the oldest arrived for it to fill. Formation
+    reserves each member's worst case (prompt + max_tokens) in KV blocks, as the baseline
+    systems do, so a running batch never runs out; with prefix caching on, a member starts from
+    its cached prefix at formation and its reservation leaves out the blocks it shares. A
+    request whose output grammar is still compiling is passed over (it joins a later batch). The
+    members' prompts are prefilled together, spread over as many iterations as the token budget
+    needs. Nobody joins meanwhile; a member that finishes early returns at once and its seat
+    stays empty until the whole batch is done. The later choices of an `n > 1` request start
+    once their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
+    `num_microbatches` is for a pipelined backend (backends/sim_plan.py reads it).
     """
 
     Options = StaticOptions
     options: StaticOptions
+
+    @property
+    def batch_size_limit(self) -> int:
+        """The most members of one batch."""
+        limit = self.options.max_batch_size or self.config.max_num_seqs
+        return min(limit, self.config.max_num_seqs)
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, options: Any = None
@@ -72,7 +90,7 @@ class StaticScheduler(Scheduler):
     def _ready_to_form(self) -> bool:
         if not self.waiting:
             return False
-        if len(self.waiting) >= self.config.max_num_seqs:
+        if len(self.waiting) >= self.batch_size_limit:
             return True
         return time.monotonic() >= self._form_deadline()
 
@@ -87,7 +105,7 @@ class StaticScheduler(Scheduler):
         bm = self.block_manager
         free_blocks = bm.num_free_blocks
         for seq in list(self.waiting):
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.batch_size_limit:
                 break
             if self.waits_for_grammar(seq):  # it joins a later batch, once compiled
                 continue
