@@ -63,7 +63,7 @@ class Scheduler(abc.ABC):
 
     A policy's own knobs are a frozen dataclass named in `Options`: each field's default,
     type and `metadata["help"]` become a flag, a `CAROUSEL_*` variable, a YAML key and a
-    per-arm override (gateway/settings.py); `__post_init__` raises ValueError on bad values.
+    per-arm override (gateway/settings/load.py); `__post_init__` raises ValueError on bad values.
     """
 
     #: the name it is registered under (set by `register_scheduler`)

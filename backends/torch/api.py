@@ -1,5 +1,5 @@
 """The torch backend's entry points for the gateway, which imports this module lazily
-(gateway/engine_factory.py), only when a torch arm is asked for."""
+(gateway/arms/engine_factory.py), only when a torch arm is asked for."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 `PagedCausalLM._eager_layers` calls nine of Carousel's CPU kernels per layer from Python;
 at SmolLM2's 30 layers the Python between those calls was about 2 ms of a bf16 step, a
-quarter of it at one sequence (docs/benchmarks.md, issue 15). `DecodeStack` holds every
+quarter of it at one sequence (docs/benchmarks.md). `DecodeStack` holds every
 layer's packed weights, norms and K/V cache tensors once and calls the same kernels in the
 same order in C++, so its output is bit for bit the Python loop's.
 

@@ -5,7 +5,7 @@ fp32 and bf16 weights are packed into their 64-row tiles and decode-sized calls 
 `kernels.native().linear`, which streams each weight once: all SmolLM2 projections in
 turn, from memory, on the 2-core EPYC (ms, ours vs oneDNN's prepacked path): bf16 1 row
 3.6 vs 6.1, 8 rows 5.5 vs 7.7, 64 rows 19.5 vs 22.3; fp32 1 row 7.2 vs 10.6, 8 rows 10.1 vs
-12.0, 64 rows 35.1 vs 39.5 (issue 15, fourth pass). Elsewhere, oneDNN's prepacked path:
+12.0, 64 rows 35.1 vs 39.5 (docs/benchmarks/history/). Elsewhere, oneDNN's prepacked path:
 
 `F.linear` on CPU reorders the weight into oneDNN's blocked layout on every call (bf16), or
 runs a GEMM that is slow for a handful of rows (fp32). Packing each weight once
@@ -19,7 +19,7 @@ with SmolLM2 shapes (us per call, plain -> packed):
   in cache, 1 row read 40 -> 55 us; but a decode step streams every weight from memory, and
   there, on the 2-core AVX512-BF16 EPYC (all 151 SmolLM2 projections in turn, cold), `F.linear`
   reads 16 GB/s and the packed path 52 GB/s: 1 row 32.3 -> 10.3 ms, 8 rows 52.6 -> 14.7 ms,
-  64 rows 133 -> 48 ms (issue 15). So fp32 packs from 1 row too.
+  64 rows 133 -> 48 ms. So fp32 packs from 1 row too.
 
 With many rows (prefill) the plain path is as fast or faster, so calls outside a plan's row
 window take it (past 128 rows; past 256 in bf16 where the linears take AMX tiles). The
@@ -65,7 +65,7 @@ _NATIVE_PLAN = PackPlan(min_rows=1, max_rows=128, batch_hint=0, kernel=NATIVE)
 #: bf16 where its linears take AMX tiles: Carousel's kernels against torch's own `F.linear`
 #: (oneDNN, AMX too), all SmolLM2 projections in turn on the 2-core AMX Xeon, 1.59x at 128
 #: rows, 1.62x at 155, 1.31x at 256; from 512 rows on about even (0.74-1.26x over runs), so
-#: larger prefills keep `F.linear` (issue 15, eleventh pass). A mixed step (decodes and a
+#: larger prefills keep `F.linear` (docs/benchmarks/history/). A mixed step (decodes and a
 #: prompt or two) is past 128 rows as soon as it carries two prompts.
 _NATIVE_AMX_PLAN = PackPlan(min_rows=1, max_rows=256, batch_hint=0, kernel=NATIVE)
 
@@ -183,7 +183,7 @@ class GateUp:
     Carousel's `linear_silu_mul` over gate and up packed together (`pack_gate_up`), for the
     row counts of the native plan's window (`takes`); it rounds as HF's
     `act_fn(gate(x)) * up(x)` does, bit for bit as the `linear` and `silu_mul` kernels do.
-    One call instead of three per layer, and no gate or up tensors (issue 15).
+    One call instead of three per layer, and no gate or up tensors.
     """
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, plan: PackPlan) -> None:

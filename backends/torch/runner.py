@@ -55,7 +55,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on cuda and on a CPU with native bf16 (docs/benchmarks.md, issue 15), else fp32."""
+    """bf16 on cuda and on a CPU with native bf16 (docs/benchmarks.md), else fp32."""
     if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
         return torch.bfloat16
     return torch.float32
@@ -135,7 +135,7 @@ class TorchBackend(Backend):
         Building on a long-lived thread (a script's main thread) leaves an OpenMP pool there
         that spins against the device thread's: every later step of every backend in the
         process ran about 1.7x slower after one backend was built on the main thread
-        (docs/benchmarks.md, issue 15).
+        (docs/benchmarks.md).
         """
         return call_on_own_thread(lambda: cls(model, tokenizer, **kwargs), "carousel-build")
 

@@ -9,7 +9,7 @@
 `auto` is `cpu_paged` on a CPU where Carousel's kernels build (AVX-512 with BF16, a C++
 compiler; backends/torch/cpu_kernels) and the cache is fp32 or bf16, else `sdpa`. On the
 2-core CPU `cpu_paged` cut the bare bf16 decode step at B = 64 by a quarter
-(docs/benchmarks.md, issue 15, fourth pass). `inductor_paged` was faster than `sdpa` only in
+(docs/benchmarks/history/). `inductor_paged` was faster than `sdpa` only in
 bf16 at B >= 32 (-11% at B = 64), slower in fp32 at B >= 32, and costs a 2-4 s compile.
 A new backend is one module with an `AttentionBackend` subclass plus one line in `_BACKENDS`.
 """

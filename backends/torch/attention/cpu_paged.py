@@ -7,7 +7,7 @@ groups of 16 keys, one K/V head at a time: the 16 scores of each query head come
 transposing sum, and the values are summed into accumulators held in registers, in fp32.
 Nothing is gathered out of the cache and no padding mask is built, so a decode costs what
 its own context costs, not the widest block table's (sdpa's gather plus masked SDPA took
-about 600 us per layer at B = 64 on the 2-core CPU; docs/benchmarks.md, issue 15).
+about 600 us per layer at B = 64 on the 2-core CPU; docs/benchmarks/history/).
 
 Runs on CPUs with AVX-512 and BF16 where the kernels build (cpu_kernels); fp32 and bf16;
 heads up to 256 wide (`auto` takes `sdpa` for wider ones).

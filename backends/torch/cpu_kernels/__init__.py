@@ -6,8 +6,8 @@ layouts; the build takes the CPU's best instruction set (`isa()`). With AVX2, bf
 widened to fp32 in registers (no native bf16 products) and `linear` works a tile in sub-tiles
 of 16 columns (16 ymm registers), in 16 KB chunks of K from two rows up. On the 2-core Zen 3
 EPYC, fp32, the bare decode step is 1.4-2.3x torch's kernels at 1-64 sequences, bf16 2.0-5.9x
-(docs/benchmarks.md, issue 15, fifteenth pass); until then the AVX2 build was opt-in (it lost
-at 32-64 sequences, ninth pass).
+(docs/benchmarks/history/); until then the AVX2 build was opt-in (it lost
+at 32-64 sequences).
 
 Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
 
