@@ -36,6 +36,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.settings.groups import torch_only_defaults
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_GPU = ROOT / "compose.gpu.yaml"
@@ -814,8 +816,14 @@ def _start_order(services: dict[str, Any]) -> list[str]:
 
 
 def _local_config(service: str, source: Path, ports: dict[str, int], tmp: Path) -> Path:
-    """A copy of a service's YAML config whose upstream URLs point at loopback ports."""
+    """A copy of a service's YAML config whose upstream URLs point at loopback ports, without
+    the settings only the torch backend honours (the stack runs `--backend sim`, which refuses
+    them)."""
     data = yaml.safe_load(source.read_text()) or {}
+    torch_only = torch_only_defaults()
+    for mapping in [data, *(data.get("arms") or [])]:
+        for name in torch_only:
+            mapping.pop(name, None)
     for arm in data.get("arms") or []:
         upstream = arm.get("upstream")
         if not upstream:
