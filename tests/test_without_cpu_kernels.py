@@ -28,7 +28,7 @@ import backends.torch
 from backends.torch import kernels
 from schedulers.base import SchedulerConfig
 from tests.test_oracle import MAX_TOKENS, hf_greedy, make_backend, prompts, run_engine
-from tests.tiny_models import ARCHITECTURES, tiny_model
+from backends.torch.testing.tiny_models import ARCHITECTURES, tiny_model
 
 for info in pkgutil.walk_packages(backends.torch.__path__, "backends.torch."):
     if not info.name.startswith("backends.torch.cpu_kernels"):
@@ -69,7 +69,7 @@ import backends.torch
 from backends.torch.inputs import warm_up_layout
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, attention_specs
-from tests.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model
+from backends.torch.testing.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model
 
 for info in pkgutil.walk_packages(backends.torch.__path__, "backends.torch."):
     importlib.import_module(info.name)
