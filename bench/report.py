@@ -77,6 +77,17 @@ def write_report(cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
     out.mkdir(parents=True, exist_ok=True)
     _write_requests(out / "requests.jsonl", result.runs)
     notes: list[str] = []
+    comparison = _comparison(cfg, result)
+    plots = _draw_plots(out, cfg, result.runs, notes)
+    verdict_plots = _draw_verdict_plots(out, cfg, comparison)
+    report = build_report(cfg, specs, result, plots, notes, comparison, verdict_plots)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
+    return out / "report.json"
+
+
+def _comparison(cfg: BenchConfig, result: BenchResult) -> list[dict[str, Any]]:
+    """The verdict's entries for report.json, each `rate` as JSON (numbers, or "inf")."""
     comparison = bench_comparison(
         result,
         cfg.arms,
@@ -88,12 +99,7 @@ def write_report(cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
     )
     for entry in comparison:
         entry["rate"] = json_rate(entry["rate"])
-    plots = _draw_plots(out, cfg, result.runs, notes)
-    verdict_plots = _draw_verdict_plots(out, cfg, comparison)
-    report = build_report(cfg, specs, result, plots, notes, comparison, verdict_plots)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
-    return out / "report.json"
+    return comparison
 
 
 def build_report(
@@ -110,17 +116,7 @@ def build_report(
     runs = [_run_entry(run) for run in result.runs]
     notes = list(notes)
     if comparison is None:
-        comparison = bench_comparison(
-            result,
-            cfg.arms,
-            cfg.slo,
-            cfg.num_resamples,
-            cfg.seed,
-            cfg.verdict_user,
-            margin=cfg.equivalence_margin,
-        )
-        for entry in comparison:
-            entry["rate"] = json_rate(entry["rate"])
+        comparison = _comparison(cfg, result)
     if cfg.replay:
         notes.append(
             "replay: a run's rate is the record's mean offered rate; requests went out at "

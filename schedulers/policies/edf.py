@@ -22,6 +22,7 @@ from typing import Literal
 
 from schedulers.batch import Batch
 from schedulers.policies.orca import OrcaScheduler
+from schedulers.policies.sjf import check_non_negative, check_positive
 from schedulers.registry import register_scheduler
 from schedulers.sequence import DEADLINE_EXCEEDED, FinishReason, Sequence
 
@@ -51,11 +52,9 @@ class EdfOptions:
     )
 
     def __post_init__(self) -> None:
-        for name in ("edf_ttft_slo_ms", "edf_max_wait_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.edf_tpot_slo_ms < 0:
-            raise ValueError(f"edf_tpot_slo_ms must be at least 0, got {self.edf_tpot_slo_ms}")
+        check_positive("edf_ttft_slo_ms", self.edf_ttft_slo_ms)
+        check_positive("edf_max_wait_s", self.edf_max_wait_s)
+        check_non_negative("edf_tpot_slo_ms", self.edf_tpot_slo_ms)
         if self.edf_late not in ("last", "refuse"):
             raise ValueError(f"edf_late must be 'last' or 'refuse', got {self.edf_late!r}")
 

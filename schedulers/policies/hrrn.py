@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from schedulers.policies.sjf import SjfScheduler, check_positive, check_weight
+from schedulers.policies.sjf import SjfScheduler, check_non_negative, check_positive
 from schedulers.registry import register_scheduler
 from schedulers.sequence import Sequence
 
@@ -45,7 +45,7 @@ class HrrnOptions:
     def __post_init__(self) -> None:
         check_positive("hrrn_step_ms", self.hrrn_step_ms)
         check_positive("hrrn_max_wait_s", self.hrrn_max_wait_s)
-        check_weight("hrrn_prefill_weight", self.hrrn_prefill_weight)
+        check_non_negative("hrrn_prefill_weight", self.hrrn_prefill_weight)
         if self.hrrn_min_samples < 1:
             raise ValueError(f"hrrn_min_samples must be at least 1, got {self.hrrn_min_samples}")
 

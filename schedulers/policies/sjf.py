@@ -48,7 +48,7 @@ class SjfOptions:
 
     def __post_init__(self) -> None:
         check_positive("sjf_max_wait_s", self.sjf_max_wait_s)
-        check_weight("sjf_prefill_weight", self.sjf_prefill_weight)
+        check_non_negative("sjf_prefill_weight", self.sjf_prefill_weight)
         if self.sjf_min_samples < 1:
             raise ValueError(f"sjf_min_samples must be at least 1, got {self.sjf_min_samples}")
 
@@ -58,7 +58,7 @@ def check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be positive, got {value}")
 
 
-def check_weight(name: str, value: float) -> None:
+def check_non_negative(name: str, value: float) -> None:
     if value < 0:
         raise ValueError(f"{name} must be at least 0, got {value}")
 
