@@ -164,3 +164,13 @@ def sse_payloads(body: str) -> list[str]:
         payloads.append(event.removeprefix("data: "))
     assert payloads.pop() == "[DONE]" and "[DONE]" not in payloads
     return payloads
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real redis-server on a loopback port, shared by the session's tests (flush what you
+    write, or use your own key prefix): tests/redis_server.py."""
+    from tests.redis_server import redis_server
+
+    with redis_server() as url:
+        yield url
