@@ -4,6 +4,7 @@ they may. Live sim servers (tests/conftest.py), in memory and on a shared real R
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,9 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
+from backends.upstream import UpstreamConfig
 from gateway.app import create_app
 from gateway.arms.choice import ARM_HEADER
 from gateway.arms.deployment import Deployment
+from gateway.arms.upstream import UpstreamArm
 from gateway.settings.load import Settings
 from tests.conftest import SIM_MODEL, LiveServer, error_of, serve_app, sim_arm
 
@@ -193,6 +196,61 @@ def test_clients_pin_only_the_arms_they_may(pinning_url: str) -> None:
         )
     assert pin(pinning_url, "trusted", "dark").status_code == 200  # its allowed arms
     assert error_of(pin(pinning_url, "trusted", "open"), 403)["code"] == "arm_not_pinnable"
+
+
+def test_a_key_beyond_its_requests_in_flight_gets_429_until_one_ends(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    specs = principals("busy", max_in_flight=1) + principals("other")
+    url = make_server(sim_arm(time_scale=50.0), principals=specs).url
+    chat = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    slow = {**chat, "max_tokens": 60, "stream": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=slow, headers=auth("busy"), timeout=60
+    ) as stream:
+        chunks = stream.iter_bytes()
+        next(chunks)  # it is being served (NOTE: kept: a dropped iterator closes the stream)
+        quick = {**chat, "max_tokens": 1}
+        refused = httpx.post(f"{url}/v1/chat/completions", json=quick, headers=auth("busy"))
+        error = error_of(refused, 429)
+        assert (
+            error["code"] == "too_many_requests_in_flight" and error["type"] == "rate_limit_error"
+        )
+        other = httpx.post(f"{url}/v1/chat/completions", json=quick, headers=auth("other"))
+        assert other.status_code == 200  # another key's share is its own
+    deadline = time.monotonic() + 20
+    while True:  # the disconnect ends the stream, and with it the count
+        again = httpx.post(f"{url}/v1/chat/completions", json=quick, headers=auth("busy"))
+        if again.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert again.status_code == 200, again.text
+
+
+def test_another_key_gets_404_on_an_upstream_arms_response(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    remote = make_server(sim_arm())
+    upstream = UpstreamArm("remote", UpstreamConfig(base_urls=(remote.v1,), model=SIM_MODEL))
+    app = create_app(
+        Settings(backend="sim", served_model_name="front", principals=principals("a", "b")),
+        [Deployment("front", [upstream])],
+    )
+    with serve_app(app) as url:
+        body = {"model": "front", "input": "My name is Ada.", "max_output_tokens": 2}
+        made = httpx.post(f"{url}/v1/responses", json=body, headers=auth("a")).json()
+        rid = made["id"]
+        for method, path in [
+            ("GET", f"/v1/responses/{rid}"),
+            ("GET", f"/v1/responses/{rid}/input_items"),
+            ("DELETE", f"/v1/responses/{rid}"),
+        ]:
+            error_of(httpx.request(method, url + path, headers=auth("b")), 404)
+        follow = {**body, "previous_response_id": rid}
+        error = error_of(httpx.post(f"{url}/v1/responses", json=follow, headers=auth("b")), 404)
+        assert error["param"] == "previous_response_id"
+        assert httpx.get(f"{url}/v1/responses/{rid}", headers=auth("a")).status_code == 200
+    assert httpx.get(f"{remote.v1}/responses/{rid}").status_code == 200  # still upstream
 
 
 def test_api_keys_come_from_a_file_named_by_the_environment(
