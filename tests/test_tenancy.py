@@ -269,6 +269,9 @@ def test_api_keys_come_from_a_file_named_by_the_environment(
 
 def test_a_bad_key_file_is_refused_without_showing_a_key(tmp_path: Path) -> None:
     keys = tmp_path / "keys.yaml"
+    keys.write_text("principals:\n  - name: good\n    keys: [sk-good]\n")
+    [(_, good)] = Settings(backend="sim", api_key_file=str(keys)).key_principals()
+    assert good.name == "good"
     keys.write_text("- name: bad name!\n  keys: [sk-very-secret-value]\n")
     with pytest.raises(ValueError) as info:
         Settings(backend="sim", api_key_file=str(keys))
