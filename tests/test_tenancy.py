@@ -4,6 +4,7 @@ they may. Live sim servers (tests/conftest.py), in memory and on a shared real R
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -119,6 +120,24 @@ def test_one_keys_traffic_cannot_evict_another_keys_response(
     # the flood evicted its own oldest responses, within its own share
     assert httpx.get(f"{here}/v1/responses/{floods[0]}", headers=auth(flood)).status_code == 404
     assert httpx.get(f"{here}/v1/responses/{floods[-1]}", headers=auth(flood)).status_code == 200
+
+
+def test_an_unreachable_redis_is_a_503_for_lookups_and_answers_still_come(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = make_server(sim_arm(), response_store=f"redis://127.0.0.1:{port}/0").url
+    made = httpx.post(
+        f"{url}/v1/responses",
+        json={"model": SIM_MODEL, "input": "Hi", "max_output_tokens": 1},
+        timeout=30,
+    )
+    assert made.status_code == 200, made.text  # not stored, but answered
+    lookup = httpx.get(f"{url}/v1/responses/{made.json()['id']}", timeout=30)
+    assert error_of(lookup, 503)["code"] == "store_unavailable"
+    assert "Retry-After" in lookup.headers
 
 
 def test_a_keys_own_stored_bytes_limit_is_its_share(
