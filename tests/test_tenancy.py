@@ -306,3 +306,23 @@ def test_a_bare_api_key_is_a_principal_named_without_the_secret() -> None:
     [(key, principal)] = settings.key_principals()
     assert key == "sk-the-secret" and principal.name.startswith("key-")
     assert "secret" not in principal.name and len(principal.name) == len("key-") + 8
+
+
+def test_principals_come_from_the_config_file_with_their_limits(tmp_path: Path) -> None:
+    config = tmp_path / "carousel.yaml"
+    config.write_text(
+        "backend: sim\n"
+        "principals:\n"
+        "  - name: team-a\n"
+        "    keys: [sk-a-1, sk-a-2]\n"
+        "    allowed_arms: [main]\n"
+        "    max_in_flight: 3\n"
+        "    max_stored_bytes: 4096\n"
+    )
+    settings = Settings.load(config)
+    pairs = settings.key_principals()
+    assert [key for key, _ in pairs] == ["sk-a-1", "sk-a-2"]
+    team = pairs[0][1]
+    assert team.name == "team-a" and team.allowed_arms == frozenset({"main"})
+    assert (team.max_in_flight, team.max_stored_bytes) == (3, 4096)
+    assert "sk-a-1" not in repr(settings)
