@@ -27,10 +27,11 @@ from fastapi import FastAPI
 
 from gateway import carousel_version
 from gateway.api.errors import install_error_handlers
-from gateway.api.responses.store import ResponseStore
+from gateway.api.responses.redis_store import RedisResponseStore
+from gateway.api.responses.store import MemoryResponseStore, ResponseStore
 from gateway.arms.deployment import Deployment, Deployments
 from gateway.arms.factory import deployment_from_settings
-from gateway.http.auth import APIKeyMiddleware
+from gateway.http.auth import APIKeyMiddleware, KeyTable
 from gateway.http.middleware import (
     BodyLimitMiddleware,
     DrainMiddleware,
@@ -40,6 +41,7 @@ from gateway.http.routes import router
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficRecorder
 from gateway.settings.load import Settings
+from gateway.settings.principals import Principal
 from gateway.state import GatewayState
 
 log = structlog.get_logger("carousel.gateway")
@@ -63,12 +65,13 @@ def create_app(
     served = Deployments(deployments or [deployment_from_settings(settings)])
     app = FastAPI(title="Carousel", version=carousel_version(), lifespan=_lifespan)
     metrics = GatewayMetrics(served.gauges, served.infos)
+    keys = settings.key_principals()
     state = GatewayState(
         settings,
         served,
         metrics,
         recorder=traffic_recorder(settings),
-        response_store=ResponseStore(settings.responses_store_size),
+        response_store=response_store(settings, dict(_budgets(keys))),
     )
     if state.recorder is not None:
         recorder = state.recorder
@@ -83,7 +86,7 @@ def create_app(
     )
     open_paths = ("/health", "/metrics") if settings.metrics_open else ("/health",)
     app.add_middleware(
-        APIKeyMiddleware, keys=settings.api_keys, open_paths=open_paths, on_refused=refused
+        APIKeyMiddleware, keys=KeyTable(keys), open_paths=open_paths, on_refused=refused
     )
     app.add_middleware(
         DrainMiddleware,
@@ -93,6 +96,21 @@ def create_app(
     )
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def response_store(settings: Settings, budgets: dict[str, int]) -> ResponseStore:
+    """The store `--response-store` names: this process's memory, or a shared Redis."""
+    bounds = (settings.responses_store_size, settings.responses_store_max_bytes, budgets)
+    if settings.response_store == "memory":
+        return MemoryResponseStore(*bounds)
+    return RedisResponseStore(
+        settings.response_store, *bounds, retry_after_s=settings.retry_after_s
+    )
+
+
+def _budgets(keys: list[tuple[str, Principal]]) -> list[tuple[str, int]]:
+    """Each principal's own `max_stored_bytes`, where it sets one."""
+    return [(p.name, p.max_stored_bytes) for _, p in keys if p.max_stored_bytes is not None]
 
 
 def traffic_recorder(settings: Settings) -> TrafficRecorder | None:

@@ -94,7 +94,8 @@ def serve(args: argparse.Namespace) -> int:
         scheduler=settings.scheduler,
         host=settings.host,
         port=settings.port,
-        api_keys=len(settings.api_keys),  # NOTE: how many, never which
+        api_keys=len(settings.key_principals()),  # NOTE: how many, never which
+        response_store="memory" if settings.response_store == "memory" else "redis",
     )
     app = create_app(settings)
     config = uvicorn.Config(

@@ -28,11 +28,12 @@ class RequestServices:
     #: no `previous_response_id` is found: shadow copies)
     response_store: ResponseStore | None = None
 
-    def remember_response(self, ctx: RequestContext, response_id: str) -> None:
-        """Note that `ctx`'s arm created `response_id` (GET, DELETE and
-        `previous_response_id` are routed to it); nothing without a store."""
+    async def remember_response(self, ctx: RequestContext, response_id: str) -> None:
+        """Note that `ctx`'s arm created `response_id` for `ctx`'s principal (GET, DELETE and
+        `previous_response_id` are routed to it, for that principal only); nothing without a
+        store."""
         if self.response_store is not None and ctx.arm is not None:
-            self.response_store.remember_owner(response_id, ctx.model, ctx.arm)
+            await self.response_store.remember_owner(response_id, ctx.model, ctx.arm, ctx.principal)
 
     def finish(self, ctx: RequestContext, status: int, error: str | None = None) -> None:
         """Log `ctx` and count it in the metrics (only the first call per request counts)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import structlog
 from starlette.types import Scope
 
-from gateway.api.responses.store import ResponseStore
+from gateway.api.responses.store import MemoryResponseStore, ResponseStore
 from gateway.api.table import BY_PATH
 from gateway.arms.deployment import Deployments
 from gateway.context import RequestContext
@@ -53,7 +53,7 @@ class GatewayState:
     #: the traffic record (`--record-traffic`), None when off
     recorder: TrafficRecorder | None = None
     #: stored Responses API responses (`previous_response_id`, GET/DELETE /v1/responses/{id})
-    response_store: ResponseStore = field(default_factory=ResponseStore)
+    response_store: ResponseStore = field(default_factory=MemoryResponseStore)
     admission: Admission = field(default_factory=Admission)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -111,6 +111,7 @@ class GatewayState:
             await arm.stop()
         if self.recorder is not None:
             await asyncio.to_thread(self.recorder.close)
+        await self.response_store.close()
 
     async def drain(self, timeout_s: float, grace_s: float = 2.0) -> None:
         """Refuse new requests (503), give those in flight `timeout_s` to finish, then stop

@@ -6,6 +6,7 @@ tests pin the wire shapes; the live endpoint is wired on main.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator
@@ -36,7 +37,11 @@ from gateway.api.responses.protocol import (
     to_sse,
     unsupported,
 )
-from gateway.api.responses.store import ResponseOwner, ResponseStore, previous_conversation
+from gateway.api.responses.store import (
+    MemoryResponseStore,
+    ResponseOwner,
+    previous_conversation,
+)
 from gateway.http.sse import event_type
 from schedulers.structured_output import GrammarSpec
 from tests.conftest import serve_app
@@ -310,7 +315,7 @@ def test_a_failed_stream_ends_with_response_failed() -> None:
 def test_the_real_sdk_reads_our_sse_stream_and_bodies_over_http() -> None:
     """A stand-in endpoint serving canned output through our builder and `to_sse`: the SDK's
     `responses.create(stream=True)`, `responses.stream()`, `retrieve` and `delete` work."""
-    store = ResponseStore()
+    store = MemoryResponseStore()
     app = FastAPI()
 
     @app.get("/health")
@@ -321,7 +326,7 @@ def test_the_real_sdk_reads_our_sse_stream_and_bodies_over_http() -> None:
     async def create(body: dict[str, Any]) -> Any:
         req = ResponsesRequest.model_validate(body)
         builder, events = generate(req, ["Hello", " from", " Carousel"])
-        store.put(builder.response.id, builder.response.model_dump(mode="json"), [])
+        await store.put(builder.response.id, builder.response.model_dump(mode="json"), [])
         if not req.stream:
             return JSONResponse(builder.response.model_dump(mode="json"))
 
@@ -333,12 +338,12 @@ def test_the_real_sdk_reads_our_sse_stream_and_bodies_over_http() -> None:
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> Any:
-        entry = store.get(response_id)
+        entry = await store.get(response_id)
         return JSONResponse(entry.response if entry else {"error": {}}, 200 if entry else 404)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> Any:
-        store.delete(response_id)
+        await store.delete(response_id)
         return JSONResponse(deleted_body(response_id))
 
     with serve_app(app) as url:
@@ -352,20 +357,20 @@ def test_the_real_sdk_reads_our_sse_stream_and_bodies_over_http() -> None:
         assert plain.output_text == "Hello from Carousel"
         assert client.responses.retrieve(plain.id).id == plain.id
         client.responses.delete(plain.id)
-        assert store.get(plain.id) is None
+        assert asyncio.run(store.get(plain.id)) is None
 
 
 # -- previous_response_id and the store --------------------------------------------------
 
 
-def test_a_follow_up_continues_the_stored_conversation_without_old_instructions() -> None:
-    store = ResponseStore()
+async def test_a_follow_up_continues_the_stored_conversation_without_old_instructions() -> None:
+    store = MemoryResponseStore()
     first_req = request(instructions="Speak French.", input="Hi", tools=[WEATHER])
     first_parts = chat(first_req)
     builder, _ = generate(first_req, [CALL_TEXT])
     conversation = conversation_after([], first_parts.input_items, builder.response)
-    store.put(builder.response.id, builder.response.model_dump(mode="json"), conversation)
-    history = previous_conversation(store, builder.response.id)
+    await store.put(builder.response.id, builder.response.model_dump(mode="json"), conversation)
+    history = await previous_conversation(store, builder.response.id)
     assert not isinstance(history, ParamProblem)
     follow = request(
         previous_response_id=builder.response.id,
@@ -374,37 +379,42 @@ def test_a_follow_up_continues_the_stored_conversation_without_old_instructions(
     parts = chat(follow, history)
     assert [m["role"] for m in parts.messages] == ["user", "assistant", "tool"]
     assert parts.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
-    missing = previous_conversation(store, "resp_unknown")
+    missing = await previous_conversation(store, "resp_unknown")
     assert isinstance(missing, ParamProblem) and missing.status == 404
     assert missing.param == "previous_response_id"
-    assert previous_conversation(store, None) == []
+    assert await previous_conversation(store, None) == []
+    other = await previous_conversation(store, builder.response.id, "someone-else")
+    assert isinstance(other, ParamProblem) and other.status == 404
 
 
-def test_the_store_keeps_the_most_recently_used_within_its_bounds() -> None:
-    store = ResponseStore(max_responses=2)
-    store.put("a", {"n": 1}, [])
-    store.put("b", {"n": 2}, [])
-    assert store.get("a") is not None  # a is now the most recent
-    store.put("c", {"n": 3}, [])
-    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
-    assert store.delete("a") and not store.delete("a")
-    small = ResponseStore(max_bytes=100)
-    assert not small.put("big", {"text": "x" * 200}, [])
+async def test_the_store_keeps_the_most_recently_used_within_its_bounds() -> None:
+    store = MemoryResponseStore(max_responses=2)
+    await store.put("a", {"n": 1}, [])
+    await store.put("b", {"n": 2}, [])
+    assert await store.get("a") is not None  # a is now the most recent
+    await store.put("c", {"n": 3}, [])
+    assert await store.get("b") is None and await store.get("a") is not None
+    assert len(store) == 2
+    assert await store.delete("a") and not await store.delete("a")
+    small = MemoryResponseStore(max_bytes=100)
+    assert not await small.put("big", {"text": "x" * 200}, [])
     for name in "defgh":
-        assert small.put(name, {"text": "y" * 20}, [])
-    assert small.size_bytes <= 100 and small.get("h") is not None and small.get("d") is None
+        assert await small.put(name, {"text": "y" * 20}, [])
+    assert small.size_bytes <= 100
+    assert await small.get("h") is not None and await small.get("d") is None
     with pytest.raises(ValueError):
-        ResponseStore(max_responses=0)
+        MemoryResponseStore(max_responses=0)
 
 
-def test_the_store_remembers_which_arm_created_an_id_within_its_bound() -> None:
-    store = ResponseStore(max_responses=2)
-    store.remember_owner("a", "front", "remote")
-    store.remember_owner("b", "front", "here")
-    assert store.owner("a") == ResponseOwner("front", "remote")  # a is now the most recent
-    store.remember_owner("c", "front", "remote")
-    assert store.owner("b") is None and store.owner("a") is not None
-    assert store.owner("c") is not None and store.owner("c").key == ("front", "remote")  # type: ignore[union-attr]
-    store.forget_owner("a")
-    assert store.owner("a") is None
+async def test_the_store_remembers_which_arm_created_an_id_within_its_bound() -> None:
+    store = MemoryResponseStore(max_responses=2)
+    await store.remember_owner("a", "front", "remote")
+    await store.remember_owner("b", "front", "here")
+    assert await store.owner("a") == ResponseOwner("front", "remote")  # a is now the most recent
+    await store.remember_owner("c", "front", "remote")
+    assert await store.owner("b") is None and await store.owner("a") is not None
+    owner = await store.owner("c")
+    assert owner is not None and owner.key == ("front", "remote")
+    await store.forget_owner("a")
+    assert await store.owner("a") is None
     assert len(store) == 0  # noting owners stores no responses

@@ -4,6 +4,7 @@ the id, through the real `openai` SDK; the upstream is a second Carousel app."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -29,6 +30,7 @@ def front_of(remote: LiveServer, only: str) -> Iterator[tuple[openai.OpenAI, str
     upstream = UpstreamArm("remote", UpstreamConfig(base_urls=(remote.v1,), model=SIM_MODEL))
     for arm in (here, upstream):
         arm.weight = 1.0 if arm.name == only else 0.0
+        arm.pinnable = True  # the tests pin the zero-weight one (X-Carousel-Arm)
     app = create_app(
         Settings(backend="sim", served_model_name="front"), [Deployment("front", [here, upstream])]
     )
@@ -80,7 +82,7 @@ def test_an_upstream_arms_response_is_retrieved_listed_and_deleted_through_the_g
     remote = make_server(sim_arm())
     with front_of(remote, only="remote") as (client, _):
         created = client.responses.create(model="front", input="Hello", max_output_tokens=3)
-        assert remote.app.state.gateway.response_store.get(created.id) is not None
+        assert asyncio.run(remote.app.state.gateway.response_store.get(created.id)) is not None
         got = client.responses.retrieve(created.id)
         assert got.id == created.id and got.model == "front"
         assert got.output_text == created.output_text
@@ -96,21 +98,27 @@ def test_an_upstream_arms_response_is_retrieved_listed_and_deleted_through_the_g
         assert info.value.body["param"] == "response_id"  # type: ignore[index]
 
 
-def test_a_gateway_that_never_saw_an_id_finds_it_on_its_upstream_arm(
+def test_a_gateway_never_asks_its_upstream_for_an_id_it_did_not_create(
     make_server: Callable[..., LiveServer],
 ) -> None:
+    """The gateway reaches its upstream with its own credentials: an id it never noted for
+    the asking principal is a 404, not a lookup on a guess (issue 38)."""
     remote = make_server(sim_arm())
     made = sdk(remote).responses.create(model=SIM_MODEL, input="Hi", max_output_tokens=2)
     with front_of(remote, only="here") as (client, _):
-        got = client.responses.retrieve(made.id)
-        assert got.id == made.id and got.model == "front"
-        raw = client.responses.with_raw_response.create(
-            model="front", input="More", previous_response_id=made.id, max_output_tokens=1
-        )
-        assert raw.headers[ARM_HEADER] == "remote"  # found once, then routed
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.create(
+                model="front", input="More", previous_response_id=made.id, max_output_tokens=1
+            )
+        assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert sdk(remote).responses.retrieve(made.id).id == made.id  # untouched where it lives
 
 
-def test_each_replica_of_an_upstream_arm_is_asked_for_an_id(
+def test_ids_created_on_any_replica_of_an_upstream_arm_are_found_there(
     make_server: Callable[..., LiveServer],
 ) -> None:
     replicas = [make_server(sim_arm()), make_server(sim_arm())]
@@ -121,12 +129,16 @@ def test_each_replica_of_an_upstream_arm_is_asked_for_an_id(
     )
     with serve_app(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        for replica in replicas:
-            made = sdk(replica).responses.create(model=SIM_MODEL, input="Hi", max_output_tokens=1)
-            assert client.responses.retrieve(made.id).id == made.id
-            client.responses.delete(made.id)
-            with pytest.raises(openai.NotFoundError):
-                sdk(replica).responses.retrieve(made.id)
+        made = [
+            client.responses.create(model="front", input="Hi", max_output_tokens=1)
+            for _ in range(4)
+        ]
+        for response in made:
+            assert client.responses.retrieve(response.id).id == response.id
+            client.responses.delete(response.id)
+            for replica in replicas:
+                with pytest.raises(openai.NotFoundError):
+                    sdk(replica).responses.retrieve(response.id)
 
 
 def test_an_id_unknown_everywhere_is_a_404_naming_it(

@@ -23,6 +23,7 @@ INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
+PERMISSION = "permission_error"
 SERVER_ERROR = "server_error"
 #: `code` of the 503s a draining server answers, and of requests it had to cut short
 SHUTTING_DOWN = "server_shutting_down"

@@ -24,6 +24,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gateway.api.bounds import Metadata, User
+
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 300
@@ -80,7 +82,8 @@ class SamplingRequest(_Request):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: User | None = None
+    metadata: Metadata | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # extensions (vLLM names)

@@ -72,7 +72,9 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
             chunks = self.chunks(runtime, request, ctx, prompts, plan, stream)
             return PayloadStream(chunks, stream.close)
         results = await collect(runtime, stream, ctx, len(prompts) * params.n)
-        return self.body(runtime, request, ctx, prompts, plan, results)
+        body = self.body(runtime, request, ctx, prompts, plan, results)
+        await self.keep(request, ctx, plan)
+        return body
 
     def check(self, request: RequestT) -> None:  # noqa: B027 - optional hook
         """Refuse, by name, fields this endpoint does not implement."""
@@ -118,6 +120,9 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         results: list[ChoiceResult],
     ) -> dict[str, Any]:
         """The non-streaming response body."""
+
+    async def keep(self, request: RequestT, ctx: RequestContext, plan: OutputPlan) -> None:  # noqa: B027
+        """After `body`: keep what the endpoint stores (the Responses API's `store`)."""
 
     @abc.abstractmethod
     def chunks(

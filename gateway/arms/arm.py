@@ -24,6 +24,8 @@ class Arm(abc.ABC):
     shadow: bool = False
     #: the share of requests a shadow arm is sent a copy of
     shadow_fraction: float = 1.0
+    #: any client may pin it (`X-Carousel-Arm`) even at zero weight (gateway/arms/choice.py)
+    pinnable: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.endpoint import Endpoint, Reply
-from gateway.api.errors import invalid, model_not_found, unavailable
+from gateway.api.errors import PERMISSION, APIError, invalid, model_not_found, unavailable
 from gateway.arms.arm import Arm
 from gateway.arms.choice import ARM_HEADER, choose_by_weight, draw_point
 from gateway.arms.shadow import ShadowCopy, ShadowMirror
 from gateway.context import RequestContext
 from gateway.obs.metrics import ArmGauges, ArmInfo
+from gateway.settings.principals import ANONYMOUS, Principal
 
 __all__ = ["Deployment", "Deployments", "Reply"]
 
@@ -54,10 +55,15 @@ class Deployment:
         retry_after_s: int,
         requested: str | None = None,
         user: str | None = None,
+        principal: Principal = ANONYMOUS,
+        pinned: str | None = None,
     ) -> Arm:
-        """The arm that serves this request (see gateway/arms/choice.py for the rule)."""
+        """The arm that serves this request (see gateway/arms/choice.py for the rule).
+
+        `requested` is the arm asked for: `pinned` by the client's header (which must be an
+        arm `principal` may pin) or the one its conversation continues on."""
         if requested is not None:
-            arm = self.arm(requested)
+            arm = self.arm(requested, principal if pinned is not None else None)
             self._check_available(arm, retry_after_s)
         else:
             ready = [a for a in self.primaries if a.unavailable_reason is None]
@@ -70,12 +76,26 @@ class Deployment:
         ctx.arm = arm.name
         return arm
 
-    def arm(self, name: str) -> Arm:
-        """The arm called `name` (400 naming the header when there is none)."""
-        for arm in self.arms:
-            if arm.name == name:
-                return arm
-        known = ", ".join(a.name for a in self.arms)
+    def arm(self, name: str, pinned_by: Principal | None = None) -> Arm:
+        """The arm called `name` (400 naming the header when there is none); with
+        `pinned_by`, a client pin: 403 unless that principal may pin it (`may_pin`)."""
+        arm = next((a for a in self.arms if a.name == name), None)
+        if pinned_by is not None and arm is not None and not may_pin(arm, pinned_by):
+            if arm.shadow:
+                arm = None  # NOTE: a shadow arm is not there for clients: not even its name
+            else:
+                raise APIError(
+                    403,
+                    f"The arm `{name}` of `{self.name}` takes no traffic of its own; this API "
+                    "key may not pin it.",
+                    PERMISSION,
+                    ARM_HEADER,
+                    "arm_not_pinnable",
+                )
+        if arm is not None:
+            return arm
+        shown = [a for a in self.arms if pinned_by is None or may_pin(a, pinned_by)]
+        known = ", ".join(a.name for a in shown)
         raise invalid(
             f"The model `{self.name}` has no arm named `{name}`; its arms are: {known}.",
             param=ARM_HEADER,
@@ -92,6 +112,18 @@ class Deployment:
     @property
     def max_model_len(self) -> int | None:
         return next((a.max_model_len for a in self.arms if a.max_model_len), None)
+
+
+def may_pin(arm: Arm, principal: Principal) -> bool:
+    """Whether a client of `principal` may pin `arm` with `X-Carousel-Arm`: never a shadow;
+    a zero-weight arm only when it is `pinnable` or among the principal's `allowed_arms`
+    (which, when given, are the only arms the principal may pin)."""
+    if arm.shadow:
+        return False
+    allowed = principal.allowed_arms
+    if allowed is not None:
+        return arm.name in allowed
+    return arm.weight > 0 or arm.pinnable
 
 
 class Deployments:

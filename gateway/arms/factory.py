@@ -67,6 +67,7 @@ def deployment_from_settings(settings: Settings) -> Deployment:
         else:
             arm = local_arm(arm_settings(settings, spec), spec.name, spec.weight, weights)
         arm.shadow, arm.shadow_fraction = spec.shadow, spec.shadow_fraction
+        arm.pinnable = spec.pinnable
         arms.append(arm)
     deployment = Deployment(settings.model_name, arms)
     specs = {spec.name: spec for spec in settings.arms}

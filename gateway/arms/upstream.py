@@ -84,7 +84,7 @@ class UpstreamArm(Arm):
                 raise api_error(exc) from None
             ctx.accept()
             _account(ctx, reply)
-            _remember(ctx, services, body, reply)
+            await _remember(ctx, services, body, reply)
             _relabel(reply, ctx.model)
             return reply
         wants_usage = True
@@ -149,7 +149,7 @@ async def _payloads(
                 )
             _account_chunk(ctx, chunk)
             if chunk.get("type") == "response.created":
-                _remember(ctx, services, ctx.raw_body, chunk.get("response"))
+                await _remember(ctx, services, ctx.raw_body, chunk.get("response"))
             if not wants_usage:
                 chunk.pop("usage", None)
                 if not chunk.get("choices"):
@@ -176,7 +176,7 @@ def _relabel(body: dict[str, Any], model: str) -> None:
         response["model"] = model
 
 
-def _remember(
+async def _remember(
     ctx: RequestContext, services: RequestServices, body: dict[str, Any], reply: Any
 ) -> None:
     """Note the id of a stored Responses API response this arm created (its upstream keeps
@@ -184,7 +184,7 @@ def _remember(
     if not isinstance(reply, dict) or reply.get("object") != "response":
         return
     if body.get("store") is not False and isinstance(reply.get("id"), str):
-        services.remember_response(ctx, reply["id"])
+        await services.remember_response(ctx, reply["id"])
 
 
 def _read_usage(ctx: RequestContext, body: dict[str, Any]) -> None:

@@ -19,11 +19,14 @@ from pydantic import BaseModel, ValidationError
 from gateway import carousel_version
 from gateway.api.endpoint import Endpoint
 from gateway.api.errors import APIError, error_body, from_validation_error, invalid
+from gateway.api.outputs.plan import problem_error
 from gateway.api.protocol import ModelCard, ModelList
+from gateway.api.responses.store import previous_not_found
 from gateway.api.table import ENDPOINTS
 from gateway.arms.choice import ARM_HEADER
 from gateway.arms.deployment import Deployment
 from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
+from gateway.http.auth import request_principal
 from gateway.http.sse import SSEResponse
 from gateway.http.stored_responses import stored_responses
 from gateway.obs.metrics import CONTENT_TYPE
@@ -65,6 +68,7 @@ def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
 async def _serve(request: Request, endpoint: Endpoint) -> Response:
     state = _state(request)
     services = state.services
+    principal = request_principal(request)
     ctx = RequestContext(
         request_id=request.state.request_id,
         engine_request_id=request.state.engine_request_id,
@@ -73,6 +77,7 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         is_disconnected=request.is_disconnected,
         log_prompts=state.settings.log_prompts,
         path=endpoint.path,
+        principal=principal.name,
     )
     try:
         body = await read_json(request)
@@ -80,8 +85,11 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         ctx.model, ctx.stream, ctx.raw_body = parsed.model, bool(parsed.stream), body
         ctx.deadline_ms = deadline_ms(request.headers.get(DEADLINE_HEADER))
         deployment = state.deployments.get(parsed.model)
-        requested = request.headers.get(ARM_HEADER) or _owner_arm(state, deployment, parsed)
-        arm = deployment.pick(ctx, state.settings.retry_after_s, requested, parsed.user)
+        continued = await _owner_arm(state, deployment, parsed, principal.name)
+        pinned = request.headers.get(ARM_HEADER)
+        arm = deployment.pick(
+            ctx, state.settings.retry_after_s, pinned or continued, parsed.user, principal, pinned
+        )
         if deployment.mirrors and not arm.shadow:
             ctx.on_accepted = lambda: deployment.mirror(endpoint, body, ctx)
         reply = await arm.serve(endpoint, parsed, ctx, services)
@@ -125,12 +133,20 @@ def deadline_ms(value: str | None) -> float | None:
     return deadline
 
 
-def _owner_arm(state: GatewayState, deployment: Deployment, request: BaseModel) -> str | None:
+async def _owner_arm(
+    state: GatewayState, deployment: Deployment, request: BaseModel, principal: str
+) -> str | None:
     """The arm that created the response a request continues (`previous_response_id`), when
     it serves this deployment: the conversation is there (an upstream's own store) and stays
-    on one arm of an A/B split."""
+    on one arm of an A/B split. A 404 when `principal` has no such response: no arm, local or
+    upstream, is asked to continue another principal's conversation."""
     previous = getattr(request, "previous_response_id", None)
-    owner = state.response_store.owner(previous) if isinstance(previous, str) else None
+    if not isinstance(previous, str):
+        return None
+    store = state.response_store
+    owner = await store.owner(previous, principal)
+    if owner is None and await store.get(previous, principal) is None:
+        raise problem_error(previous_not_found(previous))
     if owner is None or owner.model != deployment.name:
         return None
     return owner.arm if any(arm.name == owner.arm for arm in deployment.arms) else None

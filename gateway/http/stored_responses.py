@@ -3,8 +3,10 @@
 
 A response a local arm served is in the gateway's `ResponseStore`; one an upstream arm
 forwarded lives on its upstream (under the upstream's id), so these are sent to the arm the
-store noted as its creator, and an id nobody noted is looked for on every upstream arm.
-(`previous_response_id` is routed the same way, in routes.py.)
+store noted as its creator. Both are the requesting principal's only: any other principal
+gets a 404, and an id this gateway did not note for the principal is never asked of an
+upstream (whose store the gateway reaches with its own credentials). (`previous_response_id`
+is checked and routed the same way, in routes.py.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gateway.api.problems import ParamProblem
 from gateway.api.responses.input_items import DEFAULT_LIMIT, input_items_page
 from gateway.api.responses.protocol import deleted_body
 from gateway.api.responses.store import StoredResponse
+from gateway.http.auth import request_principal
 from gateway.state import GatewayState
 
 stored_responses = APIRouter(prefix="/v1")
@@ -36,40 +39,32 @@ def _not_found(response_id: str) -> APIError:
 
 
 async def _from_arms(
-    state: GatewayState, response_id: str, method: str, suffix: str = "", **params: str
+    state: GatewayState,
+    principal: str,
+    response_id: str,
+    method: str,
+    suffix: str = "",
+    **params: str,
 ) -> dict[str, Any] | None:
-    """The answer of the arm whose own server holds `response_id` (an upstream arm's
-    response, found by the arm noted when it was created, else by asking each upstream arm);
-    None when the gateway's store holds it. A 404 names `response_id` when nothing has it."""
+    """The answer of the upstream arm that created `response_id` for `principal` (noted
+    when it was created); None when the gateway's store holds it. A 404 naming `response_id`
+    when `principal` has no such response: an id is never looked for upstream on a guess."""
     if not _RESPONSE_ID.fullmatch(response_id):
         raise _not_found(response_id)
-    path = f"/responses/{response_id}{suffix}"
     store = state.response_store
-    owner = store.owner(response_id)
-    if owner is None and store.get(response_id) is not None:
+    owner = await store.owner(response_id, principal)
+    if owner is None:
+        await _stored(state, principal, response_id)
         return None
     for deployment, arm in state.deployments.arms():
-        if arm.shadow or (owner is not None and (deployment.name, arm.name) != owner.key):
-            continue
-        try:
-            reply = await arm.lookup(method, path, params, deployment.name)
-        except APIError as exc:
-            # NOTE: an id nobody noted is looked for on every arm: one's failure is no answer
-            if owner is None or exc.status_code == 404:
-                continue
-            raise
-        if reply is None and owner is not None:
-            return None  # a local arm's: the gateway's store has it (or had it)
-        if reply is not None:
-            store.remember_owner(response_id, deployment.name, arm.name)
-            return reply
-    if store.get(response_id) is None:
-        raise _not_found(response_id)
-    return None
+        if (deployment.name, arm.name) == owner.key and not arm.shadow:
+            path = f"/responses/{response_id}{suffix}"
+            return await arm.lookup(method, path, params, deployment.name)
+    return None  # its arm is gone: the gateway's store may still hold it
 
 
-def _stored(state: GatewayState, response_id: str) -> StoredResponse:
-    entry = state.response_store.get(response_id)
+async def _stored(state: GatewayState, principal: str, response_id: str) -> StoredResponse:
+    entry = await state.response_store.get(response_id, principal)
     if entry is None:
         raise _not_found(response_id)
     return entry
@@ -78,9 +73,9 @@ def _stored(state: GatewayState, response_id: str) -> StoredResponse:
 @stored_responses.get("/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
     """A stored response: the gateway's (a local arm answered it) or an upstream arm's."""
-    state = _state(request)
-    reply = await _from_arms(state, response_id, "GET")
-    return reply if reply is not None else _stored(state, response_id).response
+    state, principal = _state(request), request_principal(request).name
+    reply = await _from_arms(state, principal, response_id, "GET")
+    return reply if reply is not None else (await _stored(state, principal, response_id)).response
 
 
 @stored_responses.get("/responses/{response_id}/input_items")
@@ -95,12 +90,12 @@ async def list_input_items(
     """A stored response's input items, as OpenAI's cursor list (response_input_items.py)."""
     if include:
         raise invalid("'include' is not supported for input items.", "include")
-    state = _state(request)
+    state, principal = _state(request), request_principal(request).name
     params = {"limit": str(limit), "order": order} | ({"after": after} if after else {})
-    reply = await _from_arms(state, response_id, "GET", "/input_items", **params)
+    reply = await _from_arms(state, principal, response_id, "GET", "/input_items", **params)
     if reply is not None:
         return reply
-    page = input_items_page(_stored(state, response_id), limit, order, after)
+    page = input_items_page(await _stored(state, principal, response_id), limit, order, after)
     if isinstance(page, ParamProblem):
         raise problem_error(page)
     return page
@@ -109,11 +104,11 @@ async def list_input_items(
 @stored_responses.delete("/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
     """Forget a stored response, in the gateway's store or on the upstream that holds it."""
-    state = _state(request)
-    reply = await _from_arms(state, response_id, "DELETE")
+    state, principal = _state(request), request_principal(request).name
+    reply = await _from_arms(state, principal, response_id, "DELETE")
     if reply is None:
-        _stored(state, response_id)
-        state.response_store.delete(response_id)
+        if not await state.response_store.delete(response_id, principal):
+            raise _not_found(response_id)
         reply = deleted_body(response_id)
-    state.response_store.forget_owner(response_id)
+    await state.response_store.forget_owner(response_id, principal)
     return reply

@@ -13,6 +13,7 @@ arms:
     weight: 50
   - name: vllm            # an upstream OpenAI-compatible server (vLLM, OpenAI, a Carousel)
     weight: 0
+    pinnable: true        # clients may still pin it (X-Carousel-Arm); else only allowed keys
     upstream:
       base_urls: ["http://10.0.0.5:8000/v1"]
       model: meta-llama/Llama-3.1-8B-Instruct
@@ -53,6 +54,7 @@ _ARM_OWN_KEYS = (
     "shadow_fraction",
     "shadow_queue_size",
     "shadow_concurrency",
+    "pinnable",
 )
 
 #: a shadow arm's default bounded queue of copies, and how many it sends at once
@@ -92,6 +94,8 @@ class ArmBase(BaseModel):
     shadow_queue_size: int = Field(DEFAULT_QUEUE_SIZE, ge=1)
     #: copies it serves at once
     shadow_concurrency: int = Field(DEFAULT_CONCURRENCY, ge=1)
+    #: any client may pin it with `X-Carousel-Arm` even at zero weight (never a shadow)
+    pinnable: bool = False
     #: the policies' own knobs this arm sets (flat keys such as `batch_wait_ms` land here)
     scheduler_options: dict[str, Any] = Field(default_factory=dict)
 

@@ -152,6 +152,12 @@ class ServerSettings(BaseModel):
         description="require one of these Bearer keys on /v1 (repeatable)",
         json_schema_extra={"flag": "--api-key", "metavar": "KEY"},
     )
+    api_key_file: str | None = Field(
+        None,
+        description="a YAML file of principals, their API keys and limits (keys off the "
+        "command line; docs/reliability.md)",
+        json_schema_extra={"metavar": "FILE"},
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="413 above this body size")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 and 503 answers")
     sse_ping_s: float = Field(0.0, ge=0, description="SSE keep-alive comment interval (0: off)")
@@ -160,7 +166,20 @@ class ServerSettings(BaseModel):
         ge=1,
         description="stored Responses API responses (`store: true`) kept for "
         "previous_response_id and GET, least recently used evicted first; also how many "
-        "response ids' creating arms are remembered (routing GET/DELETE to upstream arms)",
+        "response ids' creating arms are remembered (routing GET/DELETE to upstream arms); "
+        "per principal",
+    )
+    responses_store_max_bytes: int = Field(
+        64 << 20,
+        ge=1024,
+        description="bytes of stored responses each principal keeps (a principal's "
+        "max_stored_bytes overrides); one key's traffic evicts only its own",
+    )
+    response_store: str = Field(
+        "memory",
+        description="where stored responses live: memory (this process) or redis://host:port/db "
+        "(shared by replicas)",
+        json_schema_extra={"metavar": "URL"},
     )
     disconnect_poll_s: float = Field(
         0.1, gt=0, description="how often a non-streaming request checks for its client"

@@ -45,6 +45,12 @@ from gateway.settings.groups import (
     unknown_keys_message,
 )
 from gateway.settings.policy_options import policy_option_names, split_policy_options
+from gateway.settings.principals import (
+    Principal,
+    PrincipalSettings,
+    key_principals,
+    read_key_file,
+)
 
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "CAROUSEL_"
@@ -60,6 +66,8 @@ class Settings(
 
     #: the deployment's arms (gateway/settings/arms.py); None: one local arm from the flags
     arms: list[ArmSettings] | None = None
+    #: API keys by principal, with their limits (gateway/settings/principals.py)
+    principals: list[PrincipalSettings] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -89,6 +97,26 @@ class Settings(
     @classmethod
     def _check_arms(cls, value: list[ArmSettings] | None) -> list[ArmSettings] | None:
         return None if value is None else check_arms(value)
+
+    @field_validator("response_store")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("response_store must be memory or a redis://host:port/db URL")
+        return value
+
+    @model_validator(mode="after")
+    def _keys_resolve(self) -> Settings:
+        """Read `api_key_file` now, so a bad file or a repeated key stops the start-up."""
+        self.key_principals()
+        return self
+
+    def key_principals(self) -> list[tuple[str, Principal]]:
+        """Every configured (API key, principal): `api_keys`, `principals`, `api_key_file`."""
+        specs = list(self.principals or [])
+        if self.api_key_file is not None:
+            specs += read_key_file(self.api_key_file)
+        return key_principals(self.api_keys, specs)
 
     @model_validator(mode="after")
     def _honoured(self) -> Settings:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.api.bounds import Metadata, User
 from gateway.api.problems import ParamProblem
 
 #: input items in one request (OpenAI's array limit)
@@ -35,7 +36,8 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_INPUT_ITEMS)
+    #: one string (one item, however long) or a list of at most MAX_INPUT_ITEMS items
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -47,8 +49,8 @@ class ResponsesRequest(BaseModel):
     store: bool | None = True
     previous_response_id: str | None = None
     stream: bool | None = False
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: User | None = None
     # known, not served: refused by `unsupported` when set to anything meaningful
     background: bool | None = None
     reasoning: dict[str, Any] | None = None

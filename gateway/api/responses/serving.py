@@ -31,7 +31,7 @@ from gateway.api.responses.protocol import (
     ResponseUsage,
     unsupported,
 )
-from gateway.api.responses.store import ResponseStore, previous_conversation
+from gateway.api.responses.store import MemoryResponseStore, previous_conversation
 from gateway.api.serving import LocalEndpoint
 from gateway.context import RequestContext
 from gateway.services import RequestServices
@@ -41,7 +41,7 @@ from schedulers.sampling_params import SamplingParams
 #: chat param spellings -> the Responses API's (its function tools are flat)
 _RENAME = {"tool_choice.function.name": "tool_choice.name", ".function.": "."}
 #: the store of a request that has none (a shadow copy): nothing is ever found in it
-_NO_STORE = ResponseStore(1)
+_NO_STORE = MemoryResponseStore(1)
 
 
 class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
@@ -62,7 +62,7 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
         services: RequestServices,
     ) -> OutputPlan:
         store = services.response_store or _NO_STORE
-        history = previous_conversation(store, request.previous_response_id)
+        history = await previous_conversation(store, request.previous_response_id, ctx.principal)
         if isinstance(history, ParamProblem):
             raise problem_error(history)
         parts = to_chat(request, history)
@@ -122,8 +122,12 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
         result = results[0]
         builder.feed(_events(parser, result.text, finished=True))
         builder.finish(_usage(ctx, result.num_output_tokens), result.finish_reason)
-        _store(request, ctx, plan, builder.response)
+        plan.extra["response"] = builder.response
         return builder.response.model_dump(mode="json")
+
+    async def keep(self, request: ResponsesRequest, ctx: RequestContext, plan: OutputPlan) -> None:
+        """Store the finished response (`store`), once its body is built."""
+        await _store(request, ctx, plan, plan.extra["response"])
 
     def chunks(
         self,
@@ -165,7 +169,7 @@ async def _chunks(
             for event in builder.fail(exc.message):
                 yield event.model_dump_json()
             raise
-        _store(request, ctx, plan, builder.response)
+        await _store(request, ctx, plan, builder.response)
     finally:
         stream.close()
 
@@ -186,16 +190,18 @@ def _usage(ctx: RequestContext, num_output_tokens: int) -> ResponseUsage:
     return ResponseUsage.of(ctx.prompt_tokens, num_output_tokens, ctx.cached_tokens)
 
 
-def _store(
+async def _store(
     request: ResponsesRequest, ctx: RequestContext, plan: OutputPlan, response: ResponseObject
 ) -> None:
-    """Keep a finished response for `previous_response_id` and GET (when `store`)."""
+    """Keep a finished response for `previous_response_id` and GET (when `store`), as its
+    principal's."""
     services: RequestServices = plan.extra["services"]
     if request.store is False or services.response_store is None:
         return
     conversation = conversation_after(plan.extra["history"], plan.extra["input_items"], response)
-    services.response_store.put(response.id, response.model_dump(mode="json"), conversation)
-    services.remember_response(ctx, response.id)
+    body = response.model_dump(mode="json")
+    await services.response_store.put(response.id, body, conversation, principal=ctx.principal)
+    await services.remember_response(ctx, response.id)
 
 
 def _format_param(text: dict[str, Any] | None) -> str | None:

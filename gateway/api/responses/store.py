@@ -1,28 +1,40 @@
-"""A bounded in-process LRU of stored responses (`store: true`), for `previous_response_id`,
-`GET /v1/responses/{id}` (and its `input_items`) and `DELETE /v1/responses/{id}`, and which
-arm answered each response id, so those reach the arm that holds it.
+"""Stored responses (`store: true`), for `previous_response_id`, `GET /v1/responses/{id}` (and
+its `input_items`) and `DELETE /v1/responses/{id}`, and which arm answered each response id,
+so those reach the arm that holds it. Everything is kept per principal (the API key's owner,
+gateway/settings/principals.py): another principal's id is simply not found (404, as OpenAI
+answers), and each principal has its own bounded LRU, so one key's traffic evicts only its
+own responses.
 
 Each entry keeps the response object as returned and the conversation through it (Responses
 items, `responses_convert.conversation_after`), so continuing a response needs one lookup,
-not a walk up its chain. The store holds at most `max_responses` entries and about
-`max_bytes` of their JSON; the least recently used go first. It lives in the gateway
-process: a restart forgets everything, and each gateway replica has its own.
+not a walk up its chain. Each principal keeps at most `max_responses` entries and about
+`max_bytes` of their JSON (or its own `max_stored_bytes`); its least recently used go first.
 
 Beside the stored responses, the store remembers which `(model, arm)` created each response
-id it saw (local or forwarded to an upstream, which keeps its own copy under the upstream's
-id), in a second LRU of `max_responses` entries: `GET`/`DELETE` of an upstream's response
-and a `previous_response_id` naming one are sent to that arm.
+id it saw for that principal (local or forwarded to an upstream, which keeps its own copy
+under the upstream's id), in a second LRU of `max_responses` entries per principal:
+`GET`/`DELETE` of an upstream's response and a `previous_response_id` naming one are sent to
+that arm, and an id not noted for the principal is never looked for upstream.
+
+Two backends: `MemoryResponseStore` (this process; a restart forgets, each replica has its
+own) and `RedisResponseStore` (gateway/api/responses/redis_store.py; replicas share it).
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.problems import ParamProblem
+from gateway.settings.principals import ANONYMOUS_NAME
+
+DEFAULT_MAX_RESPONSES = 1024
+DEFAULT_MAX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -48,104 +60,196 @@ class StoredResponse:
     size_bytes: int = field(default=0, compare=False)
 
 
-class ResponseStore:
-    """Thread-safe LRU keyed by response id (see the module docstring)."""
+class ResponseStore(abc.ABC):
+    """Stored responses and their creating arms, per principal (see the module docstring)."""
 
-    def __init__(self, max_responses: int = 1024, max_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        max_responses: int = DEFAULT_MAX_RESPONSES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        budgets: Mapping[str, int] | None = None,
+    ) -> None:
         if max_responses < 1:
             raise ValueError("max_responses must be at least 1")
         self.max_responses = max_responses
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._owners: OrderedDict[str, ResponseOwner] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        #: principals' own byte budgets (`max_stored_bytes`); others get `max_bytes`
+        self.budgets = dict(budgets or {})
 
-    def put(
+    def budget(self, principal: str) -> int:
+        """The bytes of stored responses `principal` may keep."""
+        return self.budgets.get(principal, self.max_bytes)
+
+    @abc.abstractmethod
+    async def put(
         self,
         response_id: str,
         response: dict[str, Any],
         conversation: list[dict[str, Any]],
         num_input_items: int | None = None,
+        principal: str = ANONYMOUS_NAME,
     ) -> bool:
-        """Store (or replace) a response; False when it alone exceeds `max_bytes`.
+        """Store (or replace) `principal`'s response; False when it alone exceeds its budget.
         `num_input_items` defaults to every item not in `response["output"]`."""
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
-        if size > self.max_bytes:
+
+    @abc.abstractmethod
+    async def get(self, response_id: str, principal: str = ANONYMOUS_NAME) -> StoredResponse | None:
+        """`principal`'s stored response (now its most recently used), or None."""
+
+    @abc.abstractmethod
+    async def delete(self, response_id: str, principal: str = ANONYMOUS_NAME) -> bool:
+        """Forget `principal`'s response; False when it was not stored."""
+
+    @abc.abstractmethod
+    async def remember_owner(
+        self, response_id: str, model: str, arm: str, principal: str = ANONYMOUS_NAME
+    ) -> None:
+        """Note that `arm` of `model` created `response_id` for `principal`."""
+
+    @abc.abstractmethod
+    async def owner(
+        self, response_id: str, principal: str = ANONYMOUS_NAME
+    ) -> ResponseOwner | None:
+        """Which arm created `response_id` for `principal`, if this gateway noted it."""
+
+    @abc.abstractmethod
+    async def forget_owner(self, response_id: str, principal: str = ANONYMOUS_NAME) -> None:
+        """Drop the note of who created `response_id` for `principal`."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections (the app's shutdown)."""
+
+
+def entry_of(
+    response: dict[str, Any], conversation: list[dict[str, Any]], num_input_items: int | None
+) -> dict[str, Any]:
+    """The stored form of a response (what both backends keep, as JSON)."""
+    if num_input_items is None:
+        num_input_items = len(conversation) - len(response.get("output") or [])
+    return {"response": response, "conversation": conversation, "num_input_items": num_input_items}
+
+
+def stored_response(entry: dict[str, Any], size_bytes: int) -> StoredResponse:
+    return StoredResponse(
+        entry["response"], entry["conversation"], entry["num_input_items"], size_bytes
+    )
+
+
+@dataclass
+class _Shelf:
+    """One principal's part of the memory store."""
+
+    entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict)
+    owners: OrderedDict[str, ResponseOwner] = field(default_factory=OrderedDict)
+    size_bytes: int = 0
+
+    def remove(self, response_id: str) -> bool:
+        entry = self.entries.pop(response_id, None)
+        if entry is None:
             return False
-        if num_input_items is None:
-            num_input_items = len(conversation) - len(response.get("output") or [])
-        entry = StoredResponse(response, conversation, num_input_items, size)
-        with self._lock:
-            self._remove(response_id)
-            self._entries[response_id] = entry
-            self._bytes += size
-            while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
-                oldest = next(iter(self._entries))
-                self._remove(oldest)
+        self.size_bytes -= entry.size_bytes
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response (now the most recently used), or None."""
+
+class MemoryResponseStore(ResponseStore):
+    """The store in this process: one LRU per principal (the default backend)."""
+
+    def __init__(
+        self,
+        max_responses: int = DEFAULT_MAX_RESPONSES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        budgets: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(max_responses, max_bytes, budgets)
+        self._shelves: dict[str, _Shelf] = {}
+        self._lock = threading.Lock()
+
+    def _shelf(self, principal: str) -> _Shelf:
+        return self._shelves.setdefault(principal, _Shelf())
+
+    async def put(
+        self,
+        response_id: str,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        num_input_items: int | None = None,
+        principal: str = ANONYMOUS_NAME,
+    ) -> bool:
+        entry = entry_of(response, conversation, num_input_items)
+        size = len(json.dumps(entry))
+        budget = self.budget(principal)
+        if size > budget:
+            return False
         with self._lock:
-            entry = self._entries.get(response_id)
+            shelf = self._shelf(principal)
+            shelf.remove(response_id)
+            shelf.entries[response_id] = stored_response(entry, size)
+            shelf.size_bytes += size
+            while len(shelf.entries) > self.max_responses or shelf.size_bytes > budget:
+                shelf.remove(next(iter(shelf.entries)))
+        return True
+
+    async def get(self, response_id: str, principal: str = ANONYMOUS_NAME) -> StoredResponse | None:
+        with self._lock:
+            shelf = self._shelf(principal)
+            entry = shelf.entries.get(response_id)
             if entry is not None:
-                self._entries.move_to_end(response_id)
+                shelf.entries.move_to_end(response_id)
             return entry
 
-    def delete(self, response_id: str) -> bool:
-        """Forget a response; False when it was not stored."""
+    async def delete(self, response_id: str, principal: str = ANONYMOUS_NAME) -> bool:
         with self._lock:
-            return self._remove(response_id)
+            return self._shelf(principal).remove(response_id)
 
-    def remember_owner(self, response_id: str, model: str, arm: str) -> None:
-        """Note that `arm` of `model` created `response_id` (the oldest note goes first)."""
+    async def remember_owner(
+        self, response_id: str, model: str, arm: str, principal: str = ANONYMOUS_NAME
+    ) -> None:
         with self._lock:
-            self._owners.pop(response_id, None)
-            self._owners[response_id] = ResponseOwner(model, arm)
-            while len(self._owners) > self.max_responses:
-                self._owners.popitem(last=False)
+            owners = self._shelf(principal).owners
+            owners.pop(response_id, None)
+            owners[response_id] = ResponseOwner(model, arm)
+            while len(owners) > self.max_responses:
+                owners.popitem(last=False)
 
-    def owner(self, response_id: str) -> ResponseOwner | None:
-        """Which arm created `response_id`, if this gateway saw it (and still remembers)."""
+    async def owner(
+        self, response_id: str, principal: str = ANONYMOUS_NAME
+    ) -> ResponseOwner | None:
         with self._lock:
-            owner = self._owners.get(response_id)
+            owners = self._shelf(principal).owners
+            owner = owners.get(response_id)
             if owner is not None:
-                self._owners.move_to_end(response_id)
+                owners.move_to_end(response_id)
             return owner
 
-    def forget_owner(self, response_id: str) -> None:
+    async def forget_owner(self, response_id: str, principal: str = ANONYMOUS_NAME) -> None:
         with self._lock:
-            self._owners.pop(response_id, None)
+            self._shelf(principal).owners.pop(response_id, None)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(s.entries) for s in self._shelves.values())
 
     @property
     def size_bytes(self) -> int:
-        return self._bytes
-
-    def _remove(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
-            return False
-        self._bytes -= entry.size_bytes
-        return True
+        return sum(s.size_bytes for s in self._shelves.values())
 
 
-def previous_conversation(
-    store: ResponseStore, previous_response_id: str | None
+async def previous_conversation(
+    store: ResponseStore, previous_response_id: str | None, principal: str = ANONYMOUS_NAME
 ) -> list[dict[str, Any]] | ParamProblem:
     """The conversation a request continues: [] without `previous_response_id`, a 404 problem
-    when that response is not (or no longer) stored."""
+    when `principal` has no such response stored (or no longer)."""
     if previous_response_id is None:
         return []
-    entry = store.get(previous_response_id)
+    entry = await store.get(previous_response_id, principal)
     if entry is None:
-        return ParamProblem(
-            "previous_response_id",
-            f"Previous response with id '{previous_response_id}' not found.",
-            "previous_response_not_found",
-            status=404,
-        )
+        return previous_not_found(previous_response_id)
     return entry.conversation
+
+
+def previous_not_found(previous_response_id: str) -> ParamProblem:
+    return ParamProblem(
+        "previous_response_id",
+        f"Previous response with id '{previous_response_id}' not found.",
+        "previous_response_not_found",
+        status=404,
+    )
