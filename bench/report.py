@@ -354,11 +354,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     replay = cfg.get("replay")
     if replay:
         files = ", ".join(f"`{f}`" for f in replay["files"])
-        workload = (
-            f"replay of {files} at time scale {replay['time_scale']:g} "
-            f"({replay['span_s']:.1f} s; {replay['redacted']} redacted, "
-            f"{replay['pinned']} pinned to their recorded output length)"
-        )
+        workload = f"replay of {files} at time scale {replay['time_scale']:g} "
+        if "format" in replay:  # a public trace (bench/trace_replay.py)
+            exact = "exact" if replay["exact_prompt_lengths"] else "approximate"
+            workload += (
+                f"({replay['format']} trace, {replay['span_s']:.1f} s from "
+                f"{replay['start_s']:g} s into it; {exact} prompt lengths, "
+                f"{replay['shared_blocks']} shared prefix blocks)"
+            )
+        else:
+            workload += (
+                f"({replay['span_s']:.1f} s; {replay['redacted']} redacted, "
+                f"{replay['pinned']} pinned to their recorded output length)"
+            )
     slo = f"TTFT <= {_fmt(cfg['slo_ttft_ms'])} ms, TPOT <= {_fmt(cfg['slo_tpot_ms'])} ms"
     lines = [
         f"# carousel bench: `{cfg['model']}`",
