@@ -138,3 +138,46 @@ def test_a_missing_bench_extra_is_caught_before_anything_is_sent(
     err = capsys.readouterr().err
     assert "no scipy" in err and "pip install 'carousel-serve[bench]'" in err
     assert seen == [] and opts.probes == []
+
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the forms of bench/verdict.py's sentences, numbers and verbs left open
+SENTENCE_FORMS = (
+    r"\S+ (raises|lowers) (?P<label>.+?) by [\d.]+% \((95% CI [\d.]+%-[\d.]+%|.+)\)",
+    r"inconclusive on (?P<label>.+?): .+",
+    r"no (significant )?difference in (?P<label>.+?) \(.+\)",
+)
+
+
+def verdict_of(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """The verdict's header (numbers out) and its (mark, metric label) lines, from output."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Verdict @"))
+    header = re.sub(r"@ \S+ req/s", "@ R req/s", lines[start])
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break
+        mark, sentence = line[:8].strip(), line[10:]
+        match = next(m for form in SENTENCE_FORMS if (m := re.fullmatch(form, sentence)))
+        rows.append((mark, match["label"]))
+    return header, rows
+
+
+def test_the_readme_verdict_has_the_shape_of_a_real_run(
+    carousel: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```text\nVerdict @", 1)[1].split("```", 1)[0]
+    header, rows = verdict_of("Verdict @" + block)
+    argv = bench(carousel, tmp_path, "--arm", "static", "--arm", "orca", "--seed", "1",
+                 "--num-prompts", "24", "--input-len", "uniform:16:64",
+                 "--output-len", "heavy-tail")  # fmt: skip
+    assert main(argv) == 0
+    real_header, real_rows = verdict_of(capsys.readouterr().out)
+    assert header == real_header
+    labels = [label for _, label in real_rows]
+    assert [label for _, label in rows] == sorted(
+        (label for _, label in rows), key=labels.index
+    )  # the README's lines are some of a run's, in its order
+    assert all(mark in ("better", "worse", "") for mark, _ in rows)
