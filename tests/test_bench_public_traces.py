@@ -204,3 +204,23 @@ def test_mooncake_requests_with_a_shared_id_share_their_first_block(
     first, second = (s["body"]["messages"][0]["content"].split() for s in seen[:2])
     assert len(first) == 1100 and len(second) == 700
     assert first[:512] == second[:512] and first[512:520] != second[512:520]
+
+
+def test_sharegpt_replay_sends_its_questions_at_the_rate(
+    traces: dict[str, Path], tmp_path: Path
+) -> None:
+    with fake_server() as (url, seen):
+        argv = replay(url, traces["sharegpt"], tmp_path, "--model", "toy", "--request-rate", "50")
+        assert main(argv) == 0
+    assert [s["body"]["messages"][0]["content"] for s in seen[:2]] == [
+        "What is paged attention?", "Hi"
+    ]  # fmt: skip
+    assert [s["body"]["max_tokens"] for s in seen[:2]] == [9, 1]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["replay"]["format"] == "sharegpt"
+    assert report["config"]["replay"]["exact_prompt_lengths"] is False  # the text as written
+
+
+def test_a_timed_trace_refuses_a_rate(traces: dict[str, Path], tmp_path: Path) -> None:
+    argv = replay("http://127.0.0.1:9", traces["azure"], tmp_path, "--model", "m", "--rate", "3")
+    assert main(argv) == 2
