@@ -69,6 +69,7 @@ EXIT_OK, EXIT_NO_DATA, EXIT_USAGE = 0, 1, 2
 #: both arms busy during more than this share of the time either was: confounded
 CONFOUNDED_OVERLAP = 0.05
 POLL_S = 0.5
+BASELINE_ARM = "static"
 HISTOGRAM_METRICS: tuple[tuple[str, str], ...] = (
     ("ttft_p50", TTFT),
     ("ttft_p99", TTFT),
@@ -357,12 +358,19 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def _poll_window(client: httpx.Client, url: str, window_s: float) -> tuple[Scrape, list[Scrape]]:
+    """Two scrapes `window_s` apart, polling in between; the window counts down on stderr."""
+    from tqdm import tqdm
+
     first = scrape(client, url)
     polls = [first]
-    deadline = time.monotonic() + window_s
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(POLL_S, left))
-        polls.append(scrape(client, url))
+    start = time.monotonic()
+    deadline = start + window_s
+    bar_format = "measuring {desc}: {n:.0f}/{total:.0f} s [{elapsed}<{remaining} left]"
+    with tqdm(total=window_s, desc=url, bar_format=bar_format, file=sys.stderr) as bar:
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(POLL_S, left))
+            polls.append(scrape(client, url))
+            bar.update(min(time.monotonic(), deadline) - start - bar.n)
     return polls[-1].since(first), polls
 
 
@@ -457,12 +465,18 @@ def _arms(
     current: Scrape | None, window: Scrape | None, records: dict[str, list[Recorded]], model: str
 ) -> list[str]:
     if records:
-        return sorted(a for a in records if a != "None")
+        return baseline_first(sorted(a for a in records if a != "None"))
     names: list[str] = []
     for data in (current, window):
         if data is not None:
             names += data.arms(model)
-    return list(dict.fromkeys(names))
+    return baseline_first(list(dict.fromkeys(names)))
+
+
+def baseline_first(arms: list[str]) -> list[str]:
+    """`static` (request-level batching, the baseline every policy is measured against)
+    first when it is one of the arms; the others keep their order."""
+    return sorted(arms, key=lambda arm: arm != BASELINE_ARM)
 
 
 def _served(data: Scrape, model: str, arm: str) -> bool:

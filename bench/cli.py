@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
+import json
 import math
 import os
 import sys
@@ -15,9 +16,15 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from bench.client import ClientConfig
+from bench.exact_prompts import UNMEASURED
+from bench.extra import missing_message, missing_modules
 from bench.metrics import Slo, parse_slo
+from bench.probe import ProbeError, default_model, measure_prompt_cost, probe_arms
+from bench.public_traces import FORMATS, detect_format, load_trace
 from bench.replay import load_records, replay_workload
-from bench.runner import BenchConfig, BenchResult, rate_label, run_bench
+from bench.runner import BenchConfig, run_bench
+from bench.summary import terminal_lines
+from bench.trace_replay import select_rows, trace_workload
 from bench.workload import (
     PRESETS,
     DatasetEntry,
@@ -35,6 +42,7 @@ from bench.workload import (
 )
 
 T = TypeVar("T")
+DEFAULT_URL = "http://127.0.0.1:8000"
 EXIT_OK, EXIT_NO_SUCCESS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DESCRIPTION = (
     "Benchmark an OpenAI-compatible endpoint with streamed requests: the same workload "
@@ -82,6 +90,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"must be 0 or more, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not (value > 0 and math.isfinite(value)):
@@ -95,15 +110,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument(
         "--url",
-        required=True,
-        help="OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (/v1 is added "
-        "when the URL has no path)",
+        "--base-url",
+        default=DEFAULT_URL,
+        help="OpenAI base URL (/v1 is added when the URL has no path; "
+        f"default: {DEFAULT_URL}, where `carousel serve` listens)",
     )
     target.add_argument(
         "--model",
         default=None,
-        help="the model name sent in requests (required, except with --replay: "
-        "then it replaces the recorded one)",
+        help="the model name sent in requests (default: the one model /v1/models lists; "
+        "with a traffic record, the recorded one)",
     )
     target.add_argument(
         "--arm",
@@ -140,12 +156,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("workload")
     load.add_argument(
         "--num-requests",
+        "--num-prompts",
+        "--max-requests",
+        dest="num_requests",
         type=_arg_type(_positive_int, "count"),
         default=None,
-        help="requests per run (default: 100, or the dataset's size)",
+        help="requests per run (default: 100, the dataset's size, or the whole --replay)",
     )
     load.add_argument(
         "--rate",
+        "--request-rate",
+        dest="rate",
         type=_arg_type(parse_rate, "rate"),
         default=math.inf,
         help="mean arrival rate in req/s, or inf for one burst (default: inf)",
@@ -191,9 +212,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="FILE",
         default=None,
-        help="send the requests of a traffic record (gateway/obs/traffic_record.py) at "
-        "their recorded arrival times, with their own endpoints and parameters; "
-        "replaces the synthetic workload",
+        help="replay a trace at its arrival times: a Carousel traffic record, an Azure LLM "
+        "inference CSV, a BurstGPT CSV, a Mooncake JSONL or ShareGPT JSON (see "
+        "--replay-format); replaces the synthetic workload",
+    )
+    load.add_argument(
+        "--replay-format",
+        choices=FORMATS,
+        default="auto",
+        help="the --replay file's format (default: auto, from its content)",
+    )
+    load.add_argument(
+        "--replay-start",
+        type=_arg_type(_non_negative_float, "seconds"),
+        default=0.0,
+        metavar="S",
+        help="with a public trace: start S seconds after its first request (default: 0)",
     )
     load.add_argument(
         "--time-scale",
@@ -299,6 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     out.add_argument(
         "--out",
+        "--result-dir",
+        dest="out",
         type=Path,
         default=None,
         metavar="DIR",
@@ -378,8 +414,21 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
     )
 
 
+def _replay_format(args: argparse.Namespace) -> str:
+    """The format of the --replay files: named, or found from the first file's content."""
+    fmt = args.replay_format
+    if fmt == "auto":
+        fmts = {detect_format(path) for path in args.replay}
+        if len(fmts) > 1:
+            raise ValueError(f"the --replay files hold different formats: {sorted(fmts)}")
+        fmt = fmts.pop()
+    if fmt != "carousel" and len(args.replay) > 1:
+        raise ValueError(f"give one {fmt} trace to --replay")
+    return str(fmt)
+
+
 def _replay_config(args: argparse.Namespace) -> tuple[BenchConfig, list[RequestSpec]]:
-    """The config and requests of `--replay`; ValueError (or OSError) for a usage error."""
+    """The config and requests of a traffic record; ValueError (or OSError) for a usage error."""
     if args.dataset or args.sweep_rates or args.rate != math.inf:
         raise ValueError("--replay replaces --dataset, --rate and --sweep-rates")
     records, skipped = load_records(args.replay)
@@ -404,6 +453,40 @@ def _replay_config(args: argparse.Namespace) -> tuple[BenchConfig, list[RequestS
     return cfg, workload.specs
 
 
+def _trace_config(args: argparse.Namespace, fmt: str) -> tuple[BenchConfig, list[RequestSpec]]:
+    """The config and requests of a public trace (bench/trace_replay.py): the prompt's token
+    cost is measured on the first arm before the prompts are drawn."""
+    if args.dataset or args.sweep_rates:
+        raise ValueError("--replay replaces --dataset and --sweep-rates")
+    rows = load_trace(args.replay[0], fmt)  # type: ignore[arg-type]
+    if fmt != "sharegpt" and args.rate != math.inf:
+        raise ValueError(f"a {fmt} trace has its own arrival times: no --rate")
+    rows = select_rows(rows, args.replay_start, args.num_requests)
+    if not rows:
+        raise ValueError(f"no request of the trace starts at or after {args.replay_start:g} s")
+    cfg = build_config(args, len(rows))
+    cost = measure_prompt_cost(cfg.client, cfg.arms[0], cfg.client.endpoint) or UNMEASURED
+    workload = trace_workload(
+        rows,
+        fmt,  # type: ignore[arg-type]
+        cost,
+        time_scale=args.time_scale,
+        rate=args.rate,
+        burstiness=args.burstiness,
+        seed=args.seed,
+    )
+    info = {
+        "files": [str(p) for p in args.replay],
+        **workload.info,
+        "start_s": args.replay_start,
+        "endpoints": {cfg.client.endpoint: len(rows)},
+    }
+    cfg = dataclasses.replace(
+        cfg, rates=[workload.offered_rate], offsets=workload.offsets, replay=info
+    )
+    return cfg, workload.specs
+
+
 def sharing_workload(
     cfg: BenchConfig, dataset: list[DatasetEntry] | None, seed: int
 ) -> list[RequestSpec]:
@@ -423,25 +506,40 @@ def sharing_workload(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the bench; 0 on success, 1 when no request completed, 130 when interrupted."""
-    if not args.model and not args.replay:
-        print("carousel bench: --model is required (except with --replay)", file=sys.stderr)
+    """Run the bench; 0 on success, 1 when the probe failed or no request completed, 2 for
+    usage errors, 130 when interrupted."""
+    missing = missing_modules()
+    if missing:
+        print(f"carousel bench: {missing_message(missing)}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        dataset = load_dataset(args.dataset) if args.dataset and not args.replay else None
-        if args.replay:
-            cfg, specs = _replay_config(args)
-            workloads = [specs]
-        else:
-            num_requests = args.num_requests or (len(dataset) if dataset else 100)
-            cfg = build_config(args, num_requests)
-            if dataset and args.multi_turn > 1:
-                raise ValueError("--multi-turn generates its own prompts (no --dataset)")
-            workloads = [sharing_workload(cfg, dataset, cfg.seed + r) for r in range(cfg.repeats)]
+        fmt = _replay_format(args) if args.replay else None
+    except (OSError, ValueError) as exc:
+        print(f"carousel bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if not args.model and fmt != "carousel":
+            args.model = default_model(api_base(args.url), args.api_key)
+        cfg, workloads = _workloads(args, fmt)
+    except ProbeError as exc:
+        print(f"carousel bench: {exc}", file=sys.stderr)
+        return EXIT_NO_SUCCESS
     except (OSError, ValueError) as exc:
         print(f"carousel bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
     specs = workloads[0]
+    try:
+        probes = probe_arms(cfg.client, specs[0], cfg.arms)
+    except ProbeError as exc:
+        print(f"carousel bench: the probe request failed, nothing was run: {exc}", file=sys.stderr)
+        return EXIT_NO_SUCCESS
+    refused = tuple(p.arm for p in probes if not p.accepts_ignore_eos)
+    cfg = dataclasses.replace(cfg, ignore_eos_refused=refused)
+    notes = [p.note for p in probes if p.note]
+    if cfg.replay and cfg.replay.get("exact_prompt_lengths") is False:
+        notes.append("prompt lengths are approximate: the server reported no prompt tokens")
+    for note in notes:
+        print(f"carousel bench: {note}", file=sys.stderr)
     try:
         result = asyncio.run(run_bench(cfg, workloads))
     except KeyboardInterrupt:
@@ -450,25 +548,35 @@ def run(args: argparse.Namespace) -> int:
     from bench.report import write_report
 
     report_path = write_report(cfg, specs, result)
-    _print_summary(result)
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    print("\n".join(terminal_lines(report, notes)))
     print(f"report: {report_path} and {report_path.with_suffix('.md')}")
     if result.interrupted:
         return EXIT_INTERRUPTED
     if not any(run.metrics["completed"] for run in result.runs):
+        errors = [e for run in report["runs"] for e in run["errors"]]
+        why = errors[0] if errors else "no request was sent"
+        print(f"carousel bench: no request succeeded: {why}", file=sys.stderr)
         return EXIT_NO_SUCCESS
     return EXIT_OK
 
 
-def _print_summary(result: BenchResult) -> None:
-    for run in result.runs:
-        m = run.metrics
-        p99 = m["e2e_latency_ms"]["p99"]
-        p99_text = "-" if p99 is None else f"{p99:.0f} ms"
-        print(
-            f"{run.arm} @ {rate_label(run.rate)} req/s: {m['completed']} ok, "
-            f"{m['failed']} failed, {m['request_throughput']:.2f} req/s, "
-            f"{m['output_throughput']:.1f} output tok/s, p99 e2e {p99_text}"
-        )
+def _workloads(
+    args: argparse.Namespace, fmt: str | None
+) -> tuple[BenchConfig, list[list[RequestSpec]]]:
+    """The config and each repeat's requests, from the flags."""
+    if fmt == "carousel":
+        cfg, specs = _replay_config(args)
+        return cfg, [specs]
+    if fmt is not None:
+        cfg, specs = _trace_config(args, fmt)
+        return cfg, [specs]
+    dataset = load_dataset(args.dataset) if args.dataset else None
+    num_requests = args.num_requests or (len(dataset) if dataset else 100)
+    cfg = build_config(args, num_requests)
+    if dataset and args.multi_turn > 1:
+        raise ValueError("--multi-turn generates its own prompts (no --dataset)")
+    return cfg, [sharing_workload(cfg, dataset, cfg.seed + r) for r in range(cfg.repeats)]
 
 
 def main(argv: list[str] | None = None) -> int:

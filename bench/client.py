@@ -118,6 +118,8 @@ def build_body(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
         if endpoint_of(cfg, spec) != "responses":
             options = replayed.get("stream_options")
             replayed["stream_options"] = {**(options or {}), "include_usage": True}
+        if not cfg.ignore_eos:
+            replayed.pop("ignore_eos", None)  # --no-ignore-eos, or an arm that refuses it
         return replayed
     body: dict[str, Any] = {
         "model": cfg.model,

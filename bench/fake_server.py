@@ -97,6 +97,11 @@ class FakeOptions:
     usage: bool = True
     max_num_seqs: int = 4
     step_s: float = 0.004
+    models: tuple[str, ...] | None = None  # served names (others: 404); None serves any
+    refuse_ignore_eos: bool = False  # 400 for a body with ignore_eos, as OpenAI's API does
+    #: the bodies of the bench's probe requests (header X-Carousel-Bench: probe), kept out of
+    #: `seen` and the failure counters: they are not the workload
+    probes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _sse(obj: Any) -> str:
@@ -114,21 +119,42 @@ def make_app(opts: FakeOptions, seen: list[dict[str, Any]]) -> FastAPI:
             engines[arm] = ToyEngine(arm, opts.max_num_seqs, opts.step_s)
         return engines[arm]
 
+    def refusal(status: int, message: str, param: str | None, code: str) -> Response:
+        error = {"message": message, "type": "invalid_request_error", "param": param}
+        return JSONResponse({"error": {**error, "code": code}}, status_code=status)
+
     async def generate(request: Request, chat: bool) -> Response:
         body = await request.json()
         arm = request.headers.get("x-carousel-arm", "default")
+        if opts.models is not None and body.get("model") not in opts.models:
+            message = f"The model `{body.get('model')}` does not exist."
+            return refusal(404, message, "model", "model_not_found")
+        if opts.refuse_ignore_eos and "ignore_eos" in body:
+            message = "Unrecognized request argument supplied: ignore_eos"
+            return refusal(400, message, None, "unknown_parameter")
+        if request.headers.get("x-carousel-bench") == "probe":
+            opts.probes.append({"arm": arm, "body": body})
+            seq = _Seq(0, "probe", int(body["max_tokens"]))
+            engine(arm).add(seq)
+            return StreamingResponse(
+                _stream(seq, "probe", len(_prompt(body, chat).split()), chat, body),
+                media_type="text/event-stream",
+            )
         seen.append({"arm": arm, "body": body})
         counters[arm] = counters.get(arm, 0) + 1
         if opts.fail_every and counters[arm] % opts.fail_every == 0:
             error = {"message": "boom", "type": "server_error", "param": None, "code": None}
             return JSONResponse({"error": error}, status_code=500)
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         rid = f"req-{arm}-{counters[arm]}"
         seq = _Seq(len(seen), rid, int(body["max_tokens"]))
         engine(arm).add(seq)
         return StreamingResponse(
-            _stream(seq, rid, len(prompt.split()), chat, body), media_type="text/event-stream"
+            _stream(seq, rid, len(_prompt(body, chat).split()), chat, body),
+            media_type="text/event-stream",
         )
+
+    def _prompt(body: dict[str, Any], chat: bool) -> str:
+        return str(body["messages"][-1]["content"] if chat else body["prompt"])
 
     async def _stream(
         seq: _Seq, rid: str, prompt_tokens: int, chat: bool, body: dict[str, Any]
@@ -166,6 +192,12 @@ def make_app(opts: FakeOptions, seen: list[dict[str, Any]]) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        names = opts.models if opts.models is not None else ("toy",)
+        data = [{"id": name, "object": "model", "owned_by": "fake"} for name in names]
+        return JSONResponse({"object": "list", "data": data})
 
     @app.get("/debug/trace")
     async def trace(arm: str | None = None) -> Response:

@@ -7,9 +7,9 @@
   seat; a coloured cell is a seat occupied by a request (one colour per request, a request keeps
   its seat), grey is an empty seat. Static batching shows a staircase of seats emptying until
   the whole batch is done; Orca refills a seat the iteration after it frees.
-- `comparison*.png`: the verdict, one row per metric, each arm's relative difference from the
-  first arm (%) with its 95% interval (goodput, a share, in percentage points); green better,
-  red worse, grey no significant difference, a hollow marker where there is no interval.
+- `comparison*.png`: the verdict, one row per metric, each arm's ratio to the baseline (the
+  first arm) on a log axis with its 95% interval; green better, red worse, grey no significant
+  difference, a hollow marker where there is no interval, all said in the legend.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from bench.trace import ArmTrace, seat_grid
 
@@ -105,47 +107,69 @@ def _s(ms: float | None) -> float:
 
 
 _VERDICT_COLOURS = {True: "tab:green", False: "tab:red", None: "tab:gray"}
+_LEGEND = (("tab:green", "o", "better (95% interval excludes 1)"),
+           ("tab:red", "o", "worse (95% interval excludes 1)"),
+           ("tab:gray", "o", "no significant difference"))  # fmt: skip
 
 
 def plot_comparison(entries: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     """`entries`: report.json `comparison` entries of one rate (several arms allowed)."""
+    comparison_figure(entries, title).savefig(path, dpi=DPI, bbox_inches="tight")
+    return path
+
+
+def comparison_figure(entries: list[dict[str, Any]], title: str = "") -> Figure:
+    """The verdict's picture: x is the ratio arm / baseline on a log axis, so x0.5 and x2
+    lie as far from 1 on either side and a +3000% p99 does not squash every other metric."""
     metrics = list(dict.fromkeys(_row_label(e) for e in entries))
     arms = list(dict.fromkeys(e["arm"] for e in entries))
-    fig = _figure(8, 1.0 + 0.45 * len(metrics) * max(1, len(arms)) ** 0.5)
+    fig = _figure(8, 1.6 + 0.45 * len(metrics) * max(1, len(arms)) ** 0.5)
     ax = fig.subplots()
     step = 0.6 / max(1, len(arms))
+    ratios: list[float] = []
+    hollow = False
     for j, arm in enumerate(arms):
         offset = (j - (len(arms) - 1) / 2) * step
         for entry in (e for e in entries if e["arm"] == arm):
-            share = entry["unit"] == "share"
-            diff, ci = (
-                (entry["diff_abs"], entry["ci95_abs"]) if share else (entry["diff"], entry["ci95"])
-            )
-            if diff is None:
+            if entry["diff"] is None or entry["diff"] <= -1:
                 continue
             y = metrics.index(_row_label(entry)) + offset
-            x = diff * 100
+            x = 1 + entry["diff"]
             colour = _VERDICT_COLOURS[entry["better"]]
-            if ci is None:
+            ci = entry["ci95"]
+            ratios.append(x)
+            if ci is None or ci[0] <= -1:
                 ax.plot([x], [y], "o", mfc="none", c=colour)
+                hollow = True
                 continue
-            err = [[x - ci[0] * 100], [ci[1] * 100 - x]]
-            ax.errorbar([x], [y], xerr=err, fmt="o", c=colour, capsize=3)
+            lo, hi = 1 + ci[0], 1 + ci[1]
+            ratios += [lo, hi]
+            ax.errorbar([x], [y], xerr=[[x - lo], [hi - x]], fmt="o", c=colour, capsize=3)
             if len(arms) > 1:
-                ax.annotate(arm, (ci[1] * 100, y), xytext=(4, 0), textcoords="offset points",
+                ax.annotate(arm, (hi, y), xytext=(4, 0), textcoords="offset points",
                             va="center", fontsize="small")  # fmt: skip
-    ax.axvline(0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    span = max([abs(math.log(r)) for r in ratios if r > 0] + [math.log(1.25)]) * 1.15
+    ax.set_xlim(math.exp(-span), math.exp(span))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"x{v:.3g}"))
+    ax.axvline(1, color="black", lw=0.8)
     ax.set_yticks(range(len(metrics)), metrics)
     ax.invert_yaxis()
     baseline = entries[0]["baseline"] if entries else ""
     who = arms[0] if len(arms) == 1 else "arm"
-    ax.set_xlabel(f"{who} against {baseline}: difference (%; shares in points), 95% interval")
-    ax.grid(axis="x", alpha=0.3)
+    ax.set_xlabel(f"{who} / {baseline} (log scale; 1 = the same as {baseline}), 95% interval")
+    ax.grid(axis="x", alpha=0.3, which="both")
+    handles = [Line2D([], [], color=c, marker=m, ls="none", label=t) for c, m, t in _LEGEND]
+    if hollow:
+        handles.append(Line2D([], [], color="tab:gray", marker="o", mfc="none", ls="none",
+                              label="no interval (one run)"))  # fmt: skip
+    below = -0.25 - 0.5 / max(1, len(metrics))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), ncol=2,
+              fontsize="small", frameon=False)  # fmt: skip
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    return path
+    return fig
 
 
 def _row_label(entry: dict[str, Any]) -> str:
@@ -154,6 +178,15 @@ def _row_label(entry: dict[str, Any]) -> str:
 
 def plot_carousel(traces: dict[str, ArmTrace], path: Path, title: str = "") -> Path | None:
     """One panel per arm with a trace; returns None (draws nothing) when no arm has one."""
+    fig = carousel_figure(traces, title)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def carousel_figure(traces: dict[str, ArmTrace], title: str = "") -> Figure | None:
+    """The carousel picture (see `plot_carousel`), or None when no arm has a trace."""
     arms = {name: t for name, t in traces.items() if t.available}
     if not arms:
         return None
@@ -180,6 +213,7 @@ def plot_carousel(traces: dict[str, ArmTrace], path: Path, title: str = "") -> P
         if limit is not None and limit < grid.cells.shape[0]:
             ax.axhline(limit - 0.5, color="black", lw=1, ls="--")
         ax.set_ylabel("seat")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(
             f"{name}: {grid.cells.shape[1]} iterations, {grid.num_requests} requests, "
             f"max_num_seqs={limit}, seats occupied {grid.occupancy:.0%}",
@@ -191,5 +225,4 @@ def plot_carousel(traces: dict[str, ArmTrace], path: Path, title: str = "") -> P
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    return path
+    return fig

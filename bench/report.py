@@ -6,7 +6,8 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
       "schema_version": 1, "created": ISO-8601 UTC, "interrupted": bool,
       "config": {"url", "model", "endpoint", "arms", "num_requests", "rates", "burstiness",
                  "input_len", "output_len", "dataset", "seed", "max_concurrency",
-                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "timeout_s", "warmups",
+                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "ignore_eos_refused",
+                 "timeout_s", "warmups",
                  "repeats", "resamples", "equivalence_margin",
                  "replay": null | {"files", "time_scale", ...},
                  "shared_prefix_len", "multi_turn"},
@@ -48,7 +49,7 @@ from typing import Any
 
 from bench.comparison import bench_comparison, verdict_markdown
 from bench.metrics import compute_metrics, error_counts, prefix_cache_summary, tpot
-from bench.runner import BenchConfig, BenchResult, RunRecord, rate_label
+from bench.runner import BenchConfig, BenchResult, RunRecord, arm_name, rate_label
 from bench.trace import trace_summary
 from bench.workload import RequestSpec
 
@@ -182,6 +183,7 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
         "slo_ttft_ms": cfg.slo.ttft_ms,
         "slo_tpot_ms": cfg.slo.tpot_ms,
         "ignore_eos": c.ignore_eos,
+        "ignore_eos_refused": [arm_name(a) for a in cfg.ignore_eos_refused],
         "timeout_s": c.timeout_s,
         "warmups": cfg.warmups,
         "repeats": cfg.repeats,
@@ -352,11 +354,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     replay = cfg.get("replay")
     if replay:
         files = ", ".join(f"`{f}`" for f in replay["files"])
-        workload = (
-            f"replay of {files} at time scale {replay['time_scale']:g} "
-            f"({replay['span_s']:.1f} s; {replay['redacted']} redacted, "
-            f"{replay['pinned']} pinned to their recorded output length)"
-        )
+        workload = f"replay of {files} at time scale {replay['time_scale']:g} "
+        if "format" in replay:  # a public trace (bench/trace_replay.py)
+            exact = "exact" if replay["exact_prompt_lengths"] else "approximate"
+            workload += (
+                f"({replay['format']} trace, {replay['span_s']:.1f} s from "
+                f"{replay['start_s']:g} s into it; {exact} prompt lengths, "
+                f"{replay['shared_blocks']} shared prefix blocks)"
+            )
+        else:
+            workload += (
+                f"({replay['span_s']:.1f} s; {replay['redacted']} redacted, "
+                f"{replay['pinned']} pinned to their recorded output length)"
+            )
     slo = f"TTFT <= {_fmt(cfg['slo_ttft_ms'])} ms, TPOT <= {_fmt(cfg['slo_tpot_ms'])} ms"
     lines = [
         f"# carousel bench: `{cfg['model']}`",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import signal
 import sys
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from bench.client import ClientConfig, RequestResult, RunOutcome, run_requests
 from bench.metrics import Slo, compute_metrics
-from bench.trace import ArmTrace, fetch_trace, server_root
+from bench.trace import ArmTrace, fetch_trace, server_root, truncated
 from bench.workload import LengthDist, RequestSpec, arrival_offsets, num_arrivals, spread_offsets
 
 DEFAULT_ARM = "default"
@@ -64,6 +65,14 @@ class BenchConfig:
     users: list[tuple[str, float]] | None = None  # `--users`
     deadlines: list[tuple[str, float]] | None = None  # `--deadline-mix`
     verdict_user: str | None = None  # `--verdict-user`
+    #: arms whose probe was refused with ignore_eos (bench/probe.py): sent without it
+    ignore_eos_refused: tuple[str | None, ...] = ()
+
+    def client_for(self, arm: str | None) -> ClientConfig:
+        """The client settings of one arm: without ignore_eos where the arm refuses it."""
+        if arm in self.ignore_eos_refused:
+            return dataclasses.replace(self.client, ignore_eos=False)
+        return self.client
 
 
 @dataclass
@@ -141,10 +150,11 @@ async def _run_one(
     stop: asyncio.Event,
 ) -> RunRecord:
     name = arm_name(arm)
+    client = cfg.client_for(arm)
     if cfg.warmups:
         firsts = [spec for spec in specs if spec.turn == 1]
         warmup = [firsts[i % len(firsts)] for i in range(cfg.warmups)]
-        await run_requests(cfg.client, warmup, [0.0] * len(warmup), arm, stop)
+        await run_requests(client, warmup, [0.0] * len(warmup), arm, stop)
     bar = tqdm(
         total=len(specs),
         desc=f"{name} @ {rate_label(rate)} req/s" + (" (replay)" if cfg.replay else ""),
@@ -154,7 +164,7 @@ async def _run_one(
     )
     try:
         outcome = await run_requests(
-            cfg.client, specs, offsets, arm, stop, on_done=lambda _: bar.update()
+            client, specs, offsets, arm, stop, on_done=lambda _: bar.update()
         )
     finally:
         bar.close()
@@ -164,6 +174,7 @@ async def _run_one(
         root = server_root(cfg.client.api_base)
         window = (outcome.start_wall, outcome.end_wall)
         record.trace = await fetch_trace(root, arm, window, cfg.client.api_key)
+        record.trace.truncated = truncated(record.trace, metrics["completed"])
     else:
         record.trace = ArmTrace(note="trace fetching was turned off (--no-trace)")
     return record

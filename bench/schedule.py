@@ -22,7 +22,7 @@ SAME_SCHEDULE_SIMILARITY = 0.9
 
 def schedule_shape(trace: ArmTrace) -> Shape | None:
     """The run's schedule shape; None without a whole trace (none fetched, or truncated)."""
-    if not trace.available or not trace.starts_in_window:
+    if not trace.available or trace.truncated:
         return None
     return tuple(
         (

@@ -28,6 +28,8 @@ class ArmTrace:
     max_num_seqs: int | None = None
     note: str | None = None
     starts_in_window: bool = False  # the server kept nothing older than the run's start
+    #: the server's buffer dropped the run's start (`truncated`, set once the run is counted)
+    truncated: bool = False
 
     @property
     def available(self) -> bool:
@@ -183,7 +185,6 @@ def trace_summary(trace: ArmTrace, num_completed: int) -> dict[str, Any]:
     if not trace.available:
         return {"available": False, "note": trace.note}
     sizes = [len(_members(it)) for it in trace.iterations]
-    requests = {request for it in trace.iterations for _, request in _members(it)}
     grid = seat_grid(trace.iterations, trace.max_num_seqs)
     return {
         "available": True,
@@ -193,5 +194,12 @@ def trace_summary(trace: ArmTrace, num_completed: int) -> dict[str, Any]:
         "mean_batch_size": float(np.mean(sizes)),
         "seat_occupancy": grid.occupancy,
         "num_preempted": int(sum(int(it.get("num_preempted") or 0) for it in trace.iterations)),
-        "truncated": trace.starts_in_window and len(requests) < num_completed,
+        "truncated": truncated(trace, num_completed),
     }
+
+
+def truncated(trace: ArmTrace, num_completed: int) -> bool:
+    """Whether the server's ring buffer dropped the start of the run: the trace begins inside
+    the run and holds fewer requests than completed."""
+    requests = {request for it in trace.iterations for _, request in _members(it)}
+    return trace.starts_in_window and len(requests) < num_completed

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.ab import (
     CONFOUNDED_OVERLAP,
+    baseline_first,
     confounding,
     histogram_verdict,
     interval_overlap,
@@ -189,6 +190,7 @@ def test_live_window_sees_both_arms_busy_at_once_and_says_confounded(
         thread.join(60)
     assert code == 0, out
     assert "over the 1.5 s between two scrapes" in out
+    assert "measuring " in out and "/2 s [" in out and "left]" in out  # the countdown
     assert "CONFOUNDED: static and orca share one device" in out
     report = json.loads((tmp_path / "ab_report.json").read_text())
     (device,) = report["device"]
@@ -310,3 +312,8 @@ def test_prometheus_window_uses_increase_and_a_range_of_running_gauges(
 def test_since_without_a_source_for_it_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run("--url", "http://127.0.0.1:9", "--since", "1h", capsys=capsys)
     assert code == 2 and "--since needs --prometheus or --record" in out
+
+
+def test_static_is_the_default_baseline() -> None:
+    assert baseline_first(["orca", "lpm", "static"]) == ["static", "orca", "lpm"]
+    assert baseline_first(["orca", "lpm"]) == ["orca", "lpm"]

@@ -89,3 +89,21 @@ def test_module_entry_point_and_no_torch_import() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "--sweep-rates" in proc.stdout and "--slo-ttft" in proc.stdout
+
+
+def test_vllm_bench_flags_are_aliases(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser(prog="carousel")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["bench", "--num-prompts", "7", "--request-rate", "3", "--result-dir", str(tmp_path),
+         "--seed", "5", "--base-url", "http://h:9"]
+    )  # fmt: skip
+    assert (args.num_requests, args.rate, args.out, args.seed) == (7, 3.0, tmp_path, 5)
+    assert args.url == "http://h:9"
+    assert parser.parse_args(["bench", "--max-requests", "4"]).num_requests == 4
+
+
+def test_the_url_defaults_to_a_local_carousel() -> None:
+    parser = argparse.ArgumentParser(prog="carousel")
+    register(parser.add_subparsers(dest="command", required=True))
+    assert api_base(parser.parse_args(["bench"]).url) == "http://127.0.0.1:8000/v1"

@@ -94,7 +94,7 @@ def test_same_schedule_ignores_timings_but_not_the_shape() -> None:
 def test_same_schedule_is_unknown_without_a_whole_trace() -> None:
     shape = [(1, 10, 0), (1, 0, 1)]
     missing = ArmTrace(note="trace fetching was turned off (--no-trace)")
-    truncated = ArmTrace(trace(shape).iterations, 8, starts_in_window=False)
+    truncated = ArmTrace(trace(shape).iterations, 8, starts_in_window=True, truncated=True)
     assert same_schedule([trace(shape)], [missing]) is None
     assert same_schedule([trace(shape)], [truncated]) is None
     assert same_schedule([], []) is None

@@ -126,14 +126,18 @@ def test_sweep_draws_throughput_against_rate(tmp_path: Path) -> None:
     assert_png(out / "sweep.png")
 
 
-def test_no_server_fails_every_request_and_exits_nonzero(tmp_path: Path) -> None:
+def test_no_server_is_named_by_the_probe_and_nothing_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again: nothing listens there
     rc = main(bench_args(f"http://127.0.0.1:{port}", tmp_path, "--num-requests", "2"))
     assert rc == 1
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["runs"][0]["metrics"]["failed"] == 2
+    err = capsys.readouterr().err
+    assert "probe request failed" in err and "Connection refused" in err
+    assert f"127.0.0.1:{port}" in err and "is the server running" in err
+    assert not (tmp_path / "report.json").exists()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

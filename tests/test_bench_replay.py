@@ -178,7 +178,10 @@ def fake_app(arrivals: list[dict[str, Any]]) -> FastAPI:
     async def note(request: Request) -> dict[str, Any]:
         body = await request.json()
         arm = request.headers.get("x-carousel-arm")
-        arrivals.append({"t": time.monotonic(), "arm": arm, "path": request.url.path, "body": body})
+        if request.headers.get("x-carousel-bench") != "probe":  # the workload's arrivals only
+            arrivals.append(
+                {"t": time.monotonic(), "arm": arm, "path": request.url.path, "body": body}
+            )
         return body
 
     def sse(event: str | None, data: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.plots import plot_carousel
+from bench.plots import comparison_figure, plot_carousel
 from bench.trace import (
     ArmTrace,
     fetch_trace,
@@ -145,3 +145,25 @@ def test_a_trace_that_lost_the_runs_start_is_marked_truncated() -> None:
     assert not trace_summary(trace, num_completed=2)["truncated"]
     whole = {"arms": {"a": {"iterations": [it(0, 1), it(5, 2), it(6, 2, 3)]}}}
     assert not trace_summary(parse_trace(whole, "a", (104.5, 200.0)), 3)["truncated"]
+
+
+def test_the_comparison_plot_puts_ratios_on_a_log_axis_with_a_legend() -> None:
+    def entry(label: str, diff: float, ci: list[float] | None, better: bool | None) -> dict:
+        return {"label": label, "unit": "ms", "arm": "orca", "baseline": "static",
+                "diff": diff, "ci95": ci, "better": better}  # fmt: skip
+
+    fig = comparison_figure(
+        [
+            entry("p99 TTFT", 30.0, [22.0, 33.0], False),
+            entry("p50 TPOT", -0.2, [-0.3, -0.1], True),
+            entry("output tok/s", 0.02, None, None),
+        ]  # fmt: skip
+    )
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log"
+    low, high = ax.get_xlim()
+    assert low < 0.8 and high > 31  # the x31 point and the x0.8 one both fit
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("better" in t for t in legend) and any("worse" in t for t in legend)
+    assert "no interval (one run)" in legend
+    assert "static" in ax.get_xlabel()
