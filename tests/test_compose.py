@@ -871,7 +871,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LocalS
         assert isinstance(environment, dict), f"{name}: write `environment` as a mapping"
         env.update({k: "" if v is None else str(v) for k, v in environment.items()})
         env["CAROUSEL_CACHE_DIR"] = str(tmp / "cache")
-        env["CAROUSEL_LOG_JSON"] = "false"
+        env["CAROUSEL_LOG_FORMAT"] = "text"
         local[name] = LocalService(name, argv, ports[name], tmp / f"{name}.log", env=env)
 
     try:
