@@ -147,3 +147,35 @@ def test_a_kernel_build_and_the_wait_for_another_ones_are_reported_phases(
     builder.join(10)
     assert [p.name if p else None for p in seen] == [BUILDING_KERNELS]
     assert current_load_phase() is None
+
+
+def test_kernels_built_ahead_are_imported_without_building(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    digest = "0123456789abcdef"
+    ahead = tmp_path / "prebuilt" / digest / f"{cpu_kernels.MODULE}.so"
+    ahead.parent.mkdir(parents=True)
+    ahead.write_bytes(b"")
+    imported: list[Path] = []
+
+    def fake_import(path: Path, name: str) -> ModuleType:
+        imported.append(path)
+        module = ModuleType(name)
+        module.__file__ = str(path)
+        module.amx_built = lambda: False  # type: ignore[attr-defined]
+        module.set_amx_min_rows = lambda rows: 0  # type: ignore[attr-defined]
+        return module
+
+    def no_build(*_: object) -> ModuleType:
+        raise AssertionError("built although a prebuilt module was there")
+
+    monkeypatch.setattr(cpu_kernels, "_digest", lambda csrc=cpu_kernels.CSRC: digest)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_import", fake_import)
+    monkeypatch.setattr(cpu_kernels, "_built", no_build)
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx2")
+    monkeypatch.setenv(cpu_kernels.PREBUILT_ENV, str(tmp_path / "prebuilt"))
+    with capture_logs() as logs:
+        assert cpu_kernels._build() is not None
+    assert imported == [ahead]
+    assert [entry["event"] for entry in logs] == ["cpu_kernels_ready"]

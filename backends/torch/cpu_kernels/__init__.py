@@ -49,6 +49,10 @@ callers keep torch's own kernels.
 AVX-512 ones included: to compare the two builds, and so that the suite checks the AVX2 one
 wherever it runs (tests/test_cpu_kernels.py).
 
+An image builds them at build time (Dockerfile, the `cpu-kernels` stage: the compiler stays
+in that stage) into `$CAROUSEL_CPU_KERNELS_PREBUILT/<digest>/`, which `native()` imports
+before it would build.
+
 `build_variant(csrc, name)` builds another copy of csrc/ (another commit's) under its own
 module name, to time beside `native()` in one process: scripts/kernel_ab.py.
 """
@@ -79,6 +83,8 @@ from schedulers.load_phase import BUILDING_KERNELS, WAITING_FOR_KERNELS
 log = engine_log()
 
 MODULE = "carousel_cpu_kernels"
+#: a read-only folder of modules built ahead, by digest (the image's build stage fills it)
+PREBUILT_ENV = "CAROUSEL_CPU_KERNELS_PREBUILT"
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = (
     "kernels.h",
@@ -199,7 +205,11 @@ def _build() -> ModuleType | None:
         log.info("cpu_kernels_off", reason=reason)
         return None
     try:
-        module = _built(cache_dir() / "cpu_kernels" / _digest(), CSRC, MODULE)
+        prebuilt = _prebuilt(_digest())
+        if prebuilt is not None:
+            module = _import(prebuilt, MODULE)
+        else:
+            module = _built(cache_dir() / "cpu_kernels" / _digest(), CSRC, MODULE)
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
         log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
         return None
@@ -208,6 +218,16 @@ def _build() -> ModuleType | None:
         module.set_amx_min_rows(AMX_OFF)
     log.info("cpu_kernels_ready", module=str(module.__file__), isa=isa(), amx=amx)
     return module
+
+
+def _prebuilt(digest: str) -> Path | None:
+    """The module an image built ahead (`$CAROUSEL_CPU_KERNELS_PREBUILT/<digest>/`), if
+    there is one for these sources, flags, torch and Python: the image has no compiler."""
+    root = os.environ.get(PREBUILT_ENV)
+    if not root:
+        return None
+    path = Path(root) / digest / f"{MODULE}.so"
+    return path if path.is_file() else None
 
 
 def amx_wanted() -> bool:
