@@ -1,7 +1,8 @@
 #
 # Carousel images. Two targets over one layout:
 #
-#   docker build -t carousel:cpu .                     # default (last stage): CPU torch
+#   docker build -t carousel:cpu .                     # default (last stage): CPU torch, the
+#                                                      # CPU kernels built in (cpu-kernels stage)
 #   docker build -t carousel:cuda --target cuda .      # CUDA torch (the PyPI default wheel)
 #
 # Both run `carousel serve --host 0.0.0.0` on port 8000 as the non-root user `carousel`
@@ -98,8 +99,7 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
 ENTRYPOINT ["carousel", "serve", "--host", "0.0.0.0"]
 CMD []
 
-# The CPU image is the last stage, hence what a plain `docker build .` produces.
-FROM torch-cpu AS cpu
+FROM torch-cpu AS cpu-app
 ARG PIP_INDEX_URL=https://pypi.org/simple
 WORKDIR /tmp/carousel-src
 COPY pyproject.toml README.md ./
@@ -117,3 +117,33 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('CAROUSEL_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["carousel", "serve", "--host", "0.0.0.0"]
 CMD []
+
+# -- Carousel's CPU kernels, compiled here so that the image needs no compiler -------------
+# g++ lives in this stage only; the image gets the built modules (and libgomp, their OpenMP
+# runtime). Two builds: this machine's best instruction set, and AVX2 (what an AVX2-only
+# host asks for); a host whose set neither is builds nothing and runs torch's own kernels,
+# with the reason logged (cpu_kernels_build_failed: no compiler).
+FROM cpu-app AS cpu-kernels
+USER root
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+RUN export CAROUSEL_CACHE_DIR=/tmp/kernel-build \
+ && python -c "import sys; from backends.torch.cpu_kernels import native, why_off; sys.exit(0 if native() else why_off())" \
+ && CAROUSEL_CPU_KERNELS=avx2 python -c "import sys; from backends.torch.cpu_kernels import native, why_off; sys.exit(0 if native() else why_off())" \
+ && mkdir -p /opt/carousel-kernels \
+ && for so in /tmp/kernel-build/cpu_kernels/*/carousel_cpu_kernels.so; do \
+        digest=$(basename "$(dirname "$so")"); \
+        mkdir -p "/opt/carousel-kernels/$digest" && cp "$so" "/opt/carousel-kernels/$digest/"; \
+    done \
+ && rm -rf /tmp/kernel-build
+
+# The CPU image is the last stage, hence what a plain `docker build .` produces.
+FROM cpu-app AS cpu
+USER root
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=cpu-kernels /opt/carousel-kernels /opt/carousel-kernels
+ENV CAROUSEL_CPU_KERNELS_PREBUILT=/opt/carousel-kernels
+USER carousel:carousel

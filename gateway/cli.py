@@ -1,8 +1,9 @@
-"""`carousel serve | generate | bench`.
+"""`carousel serve [MODEL] | generate | bench`.
 
 The flags are derived from the settings (gateway/settings/flags.py) and given to Settings only
 when the user typed them, so the precedence is flags > CAROUSEL_* env > YAML (--config) >
-built-in defaults. Invalid settings are refused before the server starts.
+built-in defaults. Invalid settings are refused before the server starts, one line per
+problem and no secret shown (gateway/settings/errors.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import structlog
 import uvicorn
 from pydantic import ValidationError
 
+from gateway import carousel_version
 from gateway.app import GatewayServer, create_app
 from gateway.arms.engine_factory import load_backend, scheduler_config
-from gateway.obs.logging import configure_logging
+from gateway.obs.logging import configure_logging, json_logs
+from gateway.settings.errors import problem_lines
 from gateway.settings.flags import add_setting_flags, settings_kwargs
 from gateway.settings.groups import GROUPS
 from gateway.settings.load import Settings
@@ -33,6 +36,12 @@ from schedulers.sampling_params import SamplingParams
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser(
         "serve", help="serve the OpenAI-compatible API", argument_default=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model to serve, as `vllm serve MODEL` (the same as --model)",
     )
     add_setting_flags(p, tuple(GROUPS))
     p.add_argument("--config", default=None, help="YAML settings file (or $CAROUSEL_CONFIG)")
@@ -72,6 +81,7 @@ def _add_bench(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="carousel", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"carousel {carousel_version()}")
     sub = parser.add_subparsers(dest="command")
     _add_serve(sub)
     _add_generate(sub)
@@ -80,12 +90,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    return Settings.load(getattr(args, "config", None), **settings_kwargs(args))
+    return Settings.load(getattr(args, "config", None), **settings_kwargs(model_args(args)))
+
+
+def model_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the positional MODEL as `--model` (refused when both name a model)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return args
+    given = getattr(args, "model", None)
+    if given is not None and given != tag:
+        raise SettingsError([f"model: given twice, as {tag!r} and --model {given!r}"])
+    return argparse.Namespace(**{**vars(args), "model": tag})
+
+
+class SettingsError(Exception):
+    """Settings refused before anything starts, one line per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
 
 
 def serve(args: argparse.Namespace) -> int:
     settings = load_settings(args)
-    configure_logging(settings.log_level, settings.log_json)
+    configure_logging(settings.log_level, json_logs(settings.log_format, sys.stderr))
     structlog.get_logger("carousel.gateway").info(
         "carousel_serve",
         model=settings.model,
@@ -159,8 +188,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ValidationError as exc:
-        print(f"carousel: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
+        return _refused(problem_lines(exc))
+    except SettingsError as exc:
+        return _refused(exc.lines)
+
+
+def _refused(lines: list[str]) -> int:
+    """Print the settings' problems, one line each, and return the usage-error status."""
+    noun = "problem" if len(lines) == 1 else "problems"
+    print(f"carousel: invalid settings ({len(lines)} {noun}):", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #    pulled, Debian's `prometheus` package (deploy/prometheus/Dockerfile.debian);
 # 4. starts engine-orca and engine-static, then the gateway, then Prometheus, each once the
 #    ones before are healthy (compose.yaml's healthchecks), all published on 127.0.0.1;
+#    each engine's log must show `cpu_kernels_ready` and no build at start-up;
 # 5. sends OpenAI SDK requests through the gateway (chat, streaming, each arm through
 #    X-Carousel-Arm, sticky users), checks the per-arm series in the gateway's /metrics,
 #    every Prometheus target up with per-arm and per-engine series, and the Grafana dashboard
@@ -391,6 +392,10 @@ wait_healthy() {  # services...: each healthy within HEALTH_TIMEOUT_S of this ca
 log "starting engine-orca and engine-static (each converts the model into a fresh volume)"
 up engine-orca engine-static
 wait_healthy engine-orca engine-static
+for svc in engine-orca engine-static; do  # the image's own CPU kernels, not torch's
+  $ENGINE logs "$(service_id "$svc")" > "$WORK/$svc-start.log" 2>&1 || true
+  "$PY" "$CHECKS" kernels-ready --service "$svc" "$WORK/$svc-start.log" || fail "$svc does not run the CPU kernels built into the image"
+done
 log "starting the gateway on 127.0.0.1:$GATEWAY_PORT"
 up gateway
 wait_healthy gateway

@@ -504,6 +504,41 @@ def cmd_health_rerun(args: argparse.Namespace) -> None:
     print(f"exit {done.returncode}: {lines[-1] if lines else 'no output'}")
 
 
+def kernel_events(log_text: str) -> list[dict[str, Any]]:
+    """The CPU kernels' JSON log lines (`cpu_kernels_*`) in a container's log."""
+    events = []
+    for line in log_text.splitlines():
+        start = line.find("{")
+        if start < 0:
+            continue
+        try:
+            entry = json.loads(line[start:])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and str(entry.get("event", "")).startswith("cpu_kernels_"):
+            events.append(entry)
+    return events
+
+
+def cmd_kernels_ready(args: argparse.Namespace) -> None:
+    """An engine container ran Carousel's CPU kernels, built into the image: its log has
+    `cpu_kernels_ready` and no build at start-up (the image has no compiler)."""
+    events = kernel_events(Path(args.log).read_text(errors="replace"))
+    names = [e["event"] for e in events]
+    if "cpu_kernels_ready" not in names:
+        why = next((e for e in events if e["event"] != "cpu_kernels_ready"), None)
+        reason = json.dumps(why) if why else "no cpu_kernels_* line at all"
+        raise SmokeFailure(f"{args.service}: the CPU kernels are not running ({reason})")
+    if "cpu_kernels_building" in names:
+        raise SmokeFailure(
+            f"{args.service}: the CPU kernels were built at start-up, not in the image"
+        )
+    ready = events[names.index("cpu_kernels_ready")]
+    print(
+        f"check: {args.service} runs the CPU kernels built into the image (isa {ready.get('isa')})"
+    )
+
+
 def load_compose_service(name: str) -> dict[str, Any]:
     service: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"][name]
     return service
@@ -581,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", required=True)
     p.add_argument("inspect")
     p.set_defaults(run=cmd_health_rerun)
+    p = sub.add_parser("kernels-ready")
+    p.add_argument("--service", required=True)
+    p.add_argument("log")
+    p.set_defaults(run=cmd_kernels_ready)
     p = sub.add_parser("break-override")
     p.add_argument("--mode", required=True)
     p.add_argument("--work", required=True)

@@ -438,7 +438,7 @@ def test_dockerfile_targets_user_healthcheck_and_install_order() -> None:
         assert entrypoint(target) == ["carousel", "serve", "--host", "0.0.0.0"]
     # the two app stages are the same steps over a different torch
     by_name = {s.name: s for s in stages}
-    assert by_name["cpu"].lines == by_name["cuda"].lines
+    assert by_name["cpu-app"].lines == by_name["cuda"].lines
     # the local wheels: a stage of their own, from LOCAL_WHEELS (deploy/wheels by default)
     assert global_args()["LOCAL_WHEELS"] == "deploy/wheels"
     assert by_name["local-wheels"].base == "scratch"
@@ -446,6 +446,27 @@ def test_dockerfile_targets_user_healthcheck_and_install_order() -> None:
     # the base image: fully qualified (podman has no default registry), and a build arg
     assert global_args()["PYTHON_IMAGE"] == "docker.io/library/python:3.11-slim-bookworm"
     assert by_name["base"].base == "${PYTHON_IMAGE}"
+
+
+def test_the_cpu_image_has_its_kernels_built_and_no_compiler() -> None:
+    """The kernels are compiled in a stage of their own (g++ there only) and copied into the
+    image, which points `CAROUSEL_CPU_KERNELS_PREBUILT` at them: a container runs the
+    kernels every figure in the docs measured, without building anything."""
+    by_name = {s.name: s for s in dockerfile_stages()}
+    kernels, image = by_name["cpu-kernels"], by_name["cpu"]
+    assert kernels.base == "cpu-app" and image.base == "cpu-app"
+    build = " && ".join(instruction(kernels, "RUN"))
+    assert "g++" in build and build.index("g++") < build.index("native()")
+    assert "CAROUSEL_CPU_KERNELS=avx2" in build  # AVX2-only hosts find theirs too
+    for stage in stage_chain(list(by_name.values()), "cpu"):
+        for run in instruction(stage, "RUN"):
+            assert "g++" not in run and "build-essential" not in run, (stage.name, run)
+    assert instruction(image, "COPY") == [
+        "--from=cpu-kernels /opt/carousel-kernels /opt/carousel-kernels"
+    ]
+    assert "CAROUSEL_CPU_KERNELS_PREBUILT=/opt/carousel-kernels" in instruction(image, "ENV")
+    [*_, user] = instruction(image, "USER")
+    assert user.split(":")[0] not in ("root", "0")
 
 
 @pytest.mark.parametrize(
@@ -871,7 +892,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LocalS
         assert isinstance(environment, dict), f"{name}: write `environment` as a mapping"
         env.update({k: "" if v is None else str(v) for k, v in environment.items()})
         env["CAROUSEL_CACHE_DIR"] = str(tmp / "cache")
-        env["CAROUSEL_LOG_JSON"] = "false"
+        env["CAROUSEL_LOG_FORMAT"] = "text"
         local[name] = LocalService(name, argv, ports[name], tmp / f"{name}.log", env=env)
 
     try:

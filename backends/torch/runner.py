@@ -26,11 +26,17 @@ from backends.torch.config import TorchBackendConfig
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.inputs import ModelInput, prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
-from backends.torch.loader import check_architecture, load_model
+from backends.torch.loader import (
+    check_architecture,
+    checkpoint_dtype,
+    config_dtype,
+    load_model,
+)
 from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.sampler import Sampler
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
+from schedulers.load_phase import WARMING_UP, load_phase
 
 
 def with_fields(
@@ -61,9 +67,20 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return default_dtype(device)
+def auto_dtype(device: torch.device, checkpoint: torch.dtype | None = None) -> torch.dtype:
+    """`--dtype auto`: on cuda the checkpoint's dtype where it is a half one (else bf16); on a
+    CPU bf16 where it has bf16 products, else fp32 (half types are emulated there, and slow)."""
+    if device.type == "cuda" and checkpoint in (torch.bfloat16, torch.float16):
+        return checkpoint
+    return default_dtype(device)
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, checkpoint: torch.dtype | None = None
+) -> torch.dtype:
+    """The dtype to run in: `dtype` by name, or (None, `auto`) `auto_dtype` of `checkpoint`."""
+    if dtype is None or dtype == "auto":
+        return auto_dtype(device, checkpoint)
     if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, dtype.removeprefix("torch."), None)
@@ -94,13 +111,18 @@ class TorchBackend(Backend):
         config: TorchBackendConfig | None = None,
         **fields: Any,
     ) -> None:
-        self.config = config = with_fields(config, fields)
+        with load_phase(WARMING_UP, "allocating the KV cache, packing weights, warming up"):
+            self._build(model, tokenizer, with_fields(config, fields))
+
+    def _build(self, model: PreTrainedModel, tokenizer: Any, config: TorchBackendConfig) -> None:
+        self.config = config
         device, dtype = config.device, config.dtype
         check_architecture(type(model).__name__)
         self.device = resolve_device(device)
         # NOTE: on CPU a model handed in without a dtype keeps its own (loaders already chose)
         keep = dtype is None and self.device.type == "cpu"
-        self.dtype = model.dtype if keep else resolve_dtype(dtype, self.device)
+        checkpoint = config_dtype(model.config)
+        self.dtype = model.dtype if keep else resolve_dtype(dtype, self.device, checkpoint)
         # in place, like nn.Module.to; transformers' decorator hides the signature from mypy
         model.to(device=self.device, dtype=self.dtype)  # type: ignore[call-arg]
         self.hf_model = model.eval()
@@ -152,9 +174,12 @@ class TorchBackend(Backend):
         target = resolve_device(config.device)
 
         def build() -> TorchBackend:
-            dtype = resolve_dtype(config.dtype, target)
+            auto = config.dtype in (None, "auto") and target.type == "cuda"
+            checkpoint = checkpoint_dtype(config.model) if auto else None
+            dtype = resolve_dtype(config.dtype, target, checkpoint)
             hf_model, tokenizer = load_model(config.model, dtype=dtype)
-            return cls(hf_model, tokenizer, config)
+            resolved = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
+            return cls(hf_model, tokenizer, resolved)
 
         return call_on_own_thread(build, "carousel-load")
 

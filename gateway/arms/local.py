@@ -18,6 +18,7 @@ from gateway.services import RequestServices
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
+from schedulers.load_phase import current_load_phase
 
 
 class LocalArm(Arm):
@@ -121,7 +122,10 @@ class LocalArm(Arm):
         if self._load_error is not None:
             return self._load_error
         if self._runtime is None:
-            return "the model is loading"
+            phase = current_load_phase() if self._loading else None
+            if phase is None:
+                return "the model is loading"
+            return f"the model is loading: {phase.description} ({phase.elapsed_s:.0f} s so far)"
         engine = self._runtime.engine
         if not engine.is_alive:
             return engine.dead_reason or "the engine has stopped"

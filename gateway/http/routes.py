@@ -31,6 +31,7 @@ from gateway.http.sse import SSEResponse
 from gateway.http.stored_responses import stored_responses
 from gateway.obs.metrics import CONTENT_TYPE
 from gateway.state import GatewayState
+from schedulers.load_phase import current_load_phase
 
 router = APIRouter()
 #: the first token's deadline, in ms after arrival, for deadline-aware policies (`edf`)
@@ -185,6 +186,10 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     return _card(_state(request), model_id).model_dump()
 
 
+#: the load phase of a loading server's `/health` 503 (schedulers/load_phase.py's names)
+LOAD_PHASE_HEADER = "X-Carousel-Load-Phase"
+
+
 @router.get("/health")
 async def health(request: Request) -> Response:
     state = _state(request)
@@ -196,6 +201,9 @@ async def health(request: Request) -> Response:
         f"Not ready: {reason}", "server_error", None, "model_loading" if loading else "engine_dead"
     )
     headers = {"Retry-After": str(state.settings.retry_after_s)}
+    phase = current_load_phase() if loading else None
+    if phase is not None:  # NOTE: the message says it in words; the body stays OpenAI's shape
+        headers[LOAD_PHASE_HEADER] = phase.name
     return JSONResponse(body, status_code=503, headers=headers)
 
 

@@ -1,12 +1,21 @@
-"""structlog as JSON lines on stderr, with stdlib logs (uvicorn's) rendered the same way."""
+"""structlog on stderr, JSON lines or text for a terminal (`--log-format`), with stdlib logs
+(uvicorn's) rendered the same way."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
+
+
+def json_logs(log_format: str, stream: TextIO) -> bool:
+    """Whether `--log-format` means JSON lines on `stream`: `auto` is text on a terminal (a
+    person reads it) and JSON elsewhere (a collector parses it), as `docker logs` would."""
+    if log_format == "auto":
+        return not stream.isatty()
+    return log_format == "json"
 
 
 def configure_logging(level: str = "info", json_logs: bool = True) -> None:
@@ -23,7 +32,10 @@ def configure_logging(level: str = "info", json_logs: bool = True) -> None:
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if json_logs
-        else structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
+        else structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(),  # NOTE: no escape codes in a file or a pipe
+            exception_formatter=structlog.dev.plain_traceback,
+        )
     )
     structlog.configure(
         processors=[

@@ -36,6 +36,11 @@ def per_arm() -> dict[str, Any]:
     return {"per_arm": True}
 
 
+#: the dtypes `--dtype` takes (vLLM's names; `half` and `float` are aliases)
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 class ModelSettings(BaseModel):
     """Which model, and how it runs (shared by a deployment's local arms)."""
 
@@ -51,10 +56,12 @@ class ModelSettings(BaseModel):
         None, description="cuda, cuda:1, cpu (default: cuda if available)",
         json_schema_extra=torch_only(),
     )  # fmt: skip
-    dtype: str | None = Field(
-        None, description="bfloat16, float16, float32 (default: per device)",
+    dtype: Dtype = Field(
+        "auto",
+        description="auto (bf16 on cuda and on a CPU with bf16 products, else fp32; a half "
+        "checkpoint keeps its dtype on cuda), bfloat16, float16, float32 (default: auto)",
         json_schema_extra=torch_only(),
-    )  # fmt: skip
+    )
     max_model_len: int | None = Field(
         None, ge=1, description="context window in tokens (default: the model's)"
     )
@@ -79,6 +86,17 @@ class ModelSettings(BaseModel):
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
     sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        """vLLM's aliases (`half`, `float`), a `torch.` prefix, and None (auto) accepted."""
+        if value is None:
+            return "auto"
+        if isinstance(value, str):
+            name = value.strip().lower().removeprefix("torch.")
+            return _DTYPE_ALIASES.get(name, name)
+        return value
 
 
 class CacheSettings(BaseModel):
@@ -190,7 +208,9 @@ class ServerSettings(BaseModel):
     metrics_open: bool = Field(True, description="serve /metrics without an API key")
     log_level: str = Field("info", description="debug, info, warning, error")
     log_prompts: bool = Field(False, description="log prompt text (off by default)")
-    log_json: bool = Field(True, description="JSON log lines (else human-readable)")
+    log_format: Literal["auto", "text", "json"] = Field(
+        "auto", description="log lines: text on a terminal and JSON elsewhere (auto), or either"
+    )
     record_traffic: str | None = Field(
         None,
         description="append one JSONL line per request to this file, for `carousel bench "

@@ -38,14 +38,20 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
 
 They are built with torch's C++ extension loader (g++ and ninja) into Carousel's cache dir
 (`cpu_kernels/<digest of the sources, flags, torch and Python>/`) the first time (2-3 minutes on
-2 cores), under an flock (a build killed half-way leaves no lock behind); later processes import
-the built module directly, in well under a second. Where they cannot run (neither AVX-512 with
-BF16 nor AVX2 with FMA and F16C, no compiler, a failed build, or `CAROUSEL_CPU_KERNELS=0`),
-`native()` returns None, the reason is logged once, and callers keep torch's own kernels.
+2 cores), under an flock (a build killed half-way leaves no lock behind), logging its progress
+every 15 s (`cpu_kernels_building_progress`: objects compiled so far) and naming the phase in
+`/health`; later processes import the built module directly, in well under a second. Where
+they cannot run (neither AVX-512 with BF16 nor AVX2 with FMA and F16C, no compiler, a failed
+build, or `CAROUSEL_CPU_KERNELS=0`), `native()` returns None, the reason is logged once, and
+callers keep torch's own kernels.
 `cpu_kernels_ready` logs the instruction set built and whether AMX is used.
 `CAROUSEL_CPU_KERNELS=avx2` builds the AVX2 implementation on any CPU with AVX2, FMA and F16C,
 AVX-512 ones included: to compare the two builds, and so that the suite checks the AVX2 one
 wherever it runs (tests/test_cpu_kernels.py).
+
+An image builds them at build time (Dockerfile, the `cpu-kernels` stage: the compiler stays
+in that stage) into `$CAROUSEL_CPU_KERNELS_PREBUILT/<digest>/`, which `native()` imports
+before it would build.
 
 `build_variant(csrc, name)` builds another copy of csrc/ (another commit's) under its own
 module name, to time beside `native()` in one process: scripts/kernel_ab.py.
@@ -64,16 +70,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 import torch
 import torch.nn.functional as F
 
 from backends.torch.loader import cache_dir
 from backends.torch.logs import engine_log
+from backends.torch.progress import reported_phase
+from schedulers.load_phase import BUILDING_KERNELS, WAITING_FOR_KERNELS
 
 log = engine_log()
 
 MODULE = "carousel_cpu_kernels"
+#: a read-only folder of modules built ahead, by digest (the image's build stage fills it)
+PREBUILT_ENV = "CAROUSEL_CPU_KERNELS_PREBUILT"
 CSRC = Path(__file__).with_name("csrc")
 HEADERS = (
     "kernels.h",
@@ -194,7 +205,11 @@ def _build() -> ModuleType | None:
         log.info("cpu_kernels_off", reason=reason)
         return None
     try:
-        module = _built(cache_dir() / "cpu_kernels" / _digest(), CSRC, MODULE)
+        prebuilt = _prebuilt(_digest())
+        if prebuilt is not None:
+            module = _import(prebuilt, MODULE)
+        else:
+            module = _built(cache_dir() / "cpu_kernels" / _digest(), CSRC, MODULE)
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
         log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
         return None
@@ -203,6 +218,16 @@ def _build() -> ModuleType | None:
         module.set_amx_min_rows(AMX_OFF)
     log.info("cpu_kernels_ready", module=str(module.__file__), isa=isa(), amx=amx)
     return module
+
+
+def _prebuilt(digest: str) -> Path | None:
+    """The module an image built ahead (`$CAROUSEL_CPU_KERNELS_PREBUILT/<digest>/`), if
+    there is one for these sources, flags, torch and Python: the image has no compiler."""
+    root = os.environ.get(PREBUILT_ENV)
+    if not root:
+        return None
+    path = Path(root) / digest / f"{MODULE}.so"
+    return path if path.is_file() else None
 
 
 def amx_wanted() -> bool:
@@ -293,13 +318,40 @@ def _built(build_dir: Path, csrc: Path, name: str) -> ModuleType:
     # build killed half-way (a server stopped while starting) never leaves every later process
     # waiting on its lock file forever
     with (build_dir / "carousel.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _wait_for_lock(lock, build_dir)
         built = build_dir / f"{name}.so"
         if built.exists():
             return _import(built, name)
-        log.info("cpu_kernels_building", build_dir=str(build_dir), note="2-3 min on 2 cores, once")
         (build_dir / "lock").unlink(missing_ok=True)  # torch's, from a build that died
-        return _compile(build_dir, csrc, name)
+        with reported_phase(
+            BUILDING_KERNELS,
+            "building the CPU kernels, once (2-3 min on 2 cores)",
+            "cpu_kernels_building",
+            progress=lambda: {"objects_built": f"{_objects_built(build_dir)}/{len(SOURCES)}"},
+            build_dir=str(build_dir),
+        ):
+            return _compile(build_dir, csrc, name)
+
+
+def _wait_for_lock(lock: IO[str], build_dir: Path) -> None:
+    """Take the build lock, saying so (as a load phase) while another process builds."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    with reported_phase(
+        WAITING_FOR_KERNELS,
+        "waiting for another process's build of the CPU kernels",
+        "cpu_kernels_waiting",
+        build_dir=str(build_dir),
+    ):
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+
+def _objects_built(build_dir: Path) -> int:
+    """How many of the sources ninja has compiled so far (its `.o` files)."""
+    return sum(1 for _ in build_dir.glob("*.o"))
 
 
 def _import(path: Path, name: str) -> ModuleType:

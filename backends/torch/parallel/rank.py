@@ -19,6 +19,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from backends.torch.config import TorchBackendConfig
 from backends.torch.kv_cache import KVLayout, kv_budget_bytes, plan_num_blocks
+from backends.torch.loader import config_dtype
 from backends.torch.parallel.channel import Channel
 from backends.torch.parallel.layers import parallelize
 from backends.torch.parallel.shard import load_shard
@@ -82,8 +83,9 @@ class RankBackend(TorchBackend):
         shard: Any = None
         plan: ShardPlan | None = None
         try:
-            plan = ShardPlan(ModelDims.of(AutoConfig.from_pretrained(spec.model_dir)), rank, world)
-            dtype = resolve_dtype(spec.config.dtype, device)
+            hf_config = AutoConfig.from_pretrained(spec.model_dir)
+            plan = ShardPlan(ModelDims.of(hf_config), rank, world)
+            dtype = resolve_dtype(spec.config.dtype, device, config_dtype(hf_config))
             shard = load_shard(spec.model_dir, plan, dtype, str(device))
             blocks = _kv_blocks_that_fit(shard, spec.config, device, dtype)
             status: tuple[int, str | None] = (blocks, None)
