@@ -16,6 +16,7 @@ should not (past a context, another sequence's block, a padded block-table entry
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -69,6 +70,12 @@ def run_interpreted(*args: str) -> None:
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run")
 def test_in_the_interpreter() -> None:
     run_interpreted(str(Path(__file__).relative_to(ROOT)), "-m", "not slow")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run")
+def test_slow_in_the_interpreter() -> None:
+    run_interpreted(str(Path(__file__).relative_to(ROOT)), "-m", "slow")
 
 
 @pytest.mark.slow
@@ -293,3 +300,32 @@ def test_fp32_greedy_through_triton_paged_equals_hf_generate() -> None:
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert any(r.num_prefill_tokens and r.num_decode_tokens for r in engine.trace)
+
+
+def test_gpu_check_attention_skips_cleanly_without_cuda(tmp_path: Path) -> None:
+    from scripts import gpu_check_attention
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script runs for real")
+    out = tmp_path / "attention.json"
+    assert gpu_check_attention.main(out) == 0
+    result = json.loads(out.read_text())
+    assert result["skipped"] == "no CUDA device"
+
+
+@pytest.mark.slow
+@interpreted_only
+def test_gpu_check_attention_runs_its_checks_in_the_interpreter() -> None:
+    """The script's GPU path, small, on the CPU: its reference agrees and its rows are there."""
+    from scripts import gpu_check_attention as script
+
+    cases: list[script.Case] = [
+        (2, 3, 16, None, 4, [(5, 0), (1, 6), (1, 0)], "float32"),
+        (1, 4, 32, 3, 4, [(1, 9), (6, 2)], "bfloat16"),
+    ]
+    result = script.run(CPU, batch_sizes=(2,), long=40, repeats=1, cases=cases)
+    assert result["ok"], result["correctness"]
+    assert [r["batch"] for r in result["decode"]] == [2, 2]
+    assert all(
+        r["triton_paged_with_40_us"] > 0 and r["sdpa_short_us"] > 0 for r in result["decode"]
+    )
