@@ -62,7 +62,7 @@ def run_interpreted(*args: str) -> None:
     """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout, proc.stdout[-2000:]
 
@@ -79,6 +79,7 @@ def test_slow_in_the_interpreter() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 9 minutes on 2 busy cores
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter run")
 def test_oracle_suite_in_the_interpreter() -> None:
     """The oracle suite's every engine path test, through `triton_paged` (the tiny models)."""
