@@ -9,6 +9,8 @@ imports no kernel package: the first call that needs one does.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from types import ModuleType
 
 import torch
@@ -59,6 +61,49 @@ def amx_on() -> bool:
     """Whether the CPU kernels' bf16 linears take AMX tiles here."""
     package = _package("cpu")
     return package is not None and bool(package.amx_on())
+
+
+TRITON_PACKAGE = "backends.torch.triton_kernels"
+
+
+def _triton_interpreting() -> bool:
+    """Whether Triton's interpreter is asked for (its own reading of `TRITON_INTERPRET`)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def triton_why_off(device_type: str) -> str | None:
+    """Why Carousel's Triton kernels cannot run on `device_type` here (None: they can).
+
+    On CUDA they compile; on the CPU they run only in Triton's interpreter, which is for
+    tests (`TRITON_INTERPRET=1` before they are first imported). Checking imports nothing.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if device_type == "cuda":
+        return None
+    if device_type != "cpu":
+        return f"not on {device_type}"
+    if not _triton_interpreting():
+        return "on the CPU only in Triton's interpreter (TRITON_INTERPRET=1)"
+    return None
+
+
+def triton(device_type: str) -> ModuleType:
+    """Carousel's Triton kernels (backends/torch/triton_kernels), imported on first use.
+
+    RuntimeError where they cannot run on `device_type` (see `triton_why_off`), or on the
+    CPU when they were imported before the interpreter was asked for (compiled for a GPU).
+    """
+    why = triton_why_off(device_type)
+    if why is not None:
+        raise RuntimeError(f"Carousel's Triton kernels do not run here: {why}")
+    package = importlib.import_module(TRITON_PACKAGE)
+    if device_type == "cpu" and not package.interpreted():
+        raise RuntimeError(
+            "Carousel's Triton kernels were imported before TRITON_INTERPRET=1 was set: "
+            "on the CPU they run only in Triton's interpreter"
+        )
+    return package
 
 
 def _cpu_package() -> ModuleType:

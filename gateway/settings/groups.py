@@ -71,7 +71,10 @@ class ModelSettings(BaseModel):
     )  # fmt: skip
     attention_backend: str = Field(
         "auto",
-        description="attention kernels: auto, sdpa, inductor_paged, cpu_paged (see the quickstart)",
+        description=(
+            "attention kernels: auto, sdpa, inductor_paged, cpu_paged, triton_paged "
+            "(see the quickstart)"
+        ),
         json_schema_extra=torch_only(),
     )
     cpu_kernels: bool = Field(

@@ -5,12 +5,16 @@
 | `sdpa` | any | reference: SDPA per prefill, one masked SDPA over gathered K/V for decodes |
 | `inductor_paged` | cpu | decodes read K/V in place through one Inductor-compiled kernel |
 | `cpu_paged` | cpu | decodes read K/V in place through Carousel's own AVX-512 kernel |
+| `triton_paged` | cuda | the whole mixed step in one Triton kernel, K/V read in place |
 
 `auto` is `cpu_paged` on a CPU where Carousel's kernels build (AVX-512 with BF16, a C++
-compiler; backends/torch/cpu_kernels) and the cache is fp32 or bf16, else `sdpa`. On the
-2-core CPU `cpu_paged` cut the bare bf16 decode step at B = 64 by a quarter
-(docs/benchmarks/history/). `inductor_paged` was faster than `sdpa` only in
-bf16 at B >= 32 (-11% at B = 64), slower in fp32 at B >= 32, and costs a 2-4 s compile.
+compiler; backends/torch/cpu_kernels) and the cache is fp32 or bf16, else `sdpa`; on CUDA it
+is `triton_paged` where triton is installed (fp32, bf16 or fp16 cache), else `sdpa`.
+`triton_paged` runs on the CPU only in Triton's interpreter (`TRITON_INTERPRET=1`, for
+tests), and `auto` never picks it there. On the 2-core CPU `cpu_paged` cut the bare bf16
+decode step at B = 64 by a quarter (docs/benchmarks/history/). `inductor_paged` was faster
+than `sdpa` only in bf16 at B >= 32 (-11% at B = 64), slower in fp32 at B >= 32, and costs
+a 2-4 s compile.
 A new backend is one module with an `AttentionBackend` subclass plus one line in `_BACKENDS`.
 """
 
@@ -42,6 +46,9 @@ _BACKENDS = {
         "backends.torch.attention.inductor_paged:InductorPagedBackend", ("cpu",)
     ),
     "cpu_paged": _Entry("backends.torch.attention.cpu_paged:CpuPagedBackend", ("cpu",)),
+    "triton_paged": _Entry(
+        "backends.torch.attention.triton_paged:TritonPagedBackend", ("cuda", "cpu")
+    ),
 }
 
 
@@ -59,6 +66,8 @@ def available_backends(device: torch.device) -> list[str]:
         names = [n for n in names if not n.startswith("inductor")]
     if "cpu_paged" in names and kernels.native() is None:
         names.remove("cpu_paged")
+    if "triton_paged" in names and kernels.triton_why_off(device.type) is not None:
+        names.remove("triton_paged")
     return names
 
 
@@ -78,6 +87,12 @@ def resolve_name(
             and "cpu_paged" in available_backends(device)
         ):
             return "cpu_paged"
+        if (
+            device.type == "cuda"
+            and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and kernels.triton_why_off("cuda") is None
+        ):
+            return "triton_paged"
         return "sdpa"
     entry = _BACKENDS.get(name)
     if entry is None:
@@ -91,6 +106,9 @@ def resolve_name(
         raise ValueError(
             f"attention backend 'cpu_paged' needs Carousel's CPU kernels: {kernels.why_off()}"
         )
+    why_no_triton = kernels.triton_why_off(device.type)
+    if name == "triton_paged" and why_no_triton is not None:
+        raise ValueError(f"attention backend 'triton_paged' cannot run here: {why_no_triton}")
     return name
 
 
