@@ -17,7 +17,8 @@ they build. `fuse_mlp`: with those kernels, a SiLU MLP's gate, up and activation
 kernel. `native_layers`: with those kernels, a decode-only step runs every layer in one
 native call (decode_stack.py); None runs it where it can, True also refuses a backend that
 never can (tensor parallelism), False keeps the Python loop (A/B runs). `compile`: the dense
-part of every layer through one torch.compile'd graph (dense.py).
+part of every layer through one torch.compile'd graph (dense.py). `enforce_eager`: on CUDA,
+no CUDA graphs (cuda_graphs.py; vLLM's flag): every step runs eager.
 `tensor_parallel_size`: split the model over this many ranks (parallel/).
 """
 
@@ -48,6 +49,7 @@ class TorchBackendConfig:
     fuse_mlp: bool = True
     native_layers: bool | None = None
     compile: bool = False
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

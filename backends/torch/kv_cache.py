@@ -79,12 +79,16 @@ class KVCache:
 
     NOTE: zeros, not empty: batched decode reads whole blocks and masks the unused slots,
     and a NaN left in memory would survive a zero attention weight.
+    NOTE: one block more than `num_blocks` is allocated: `scratch_block`, which the block
+    manager never hands out, so the padded rows of a CUDA graph's batch (staging.py) have a
+    slot to write their K/V to and to read from that no sequence owns.
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = [
             torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
         ]

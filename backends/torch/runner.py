@@ -23,8 +23,9 @@ import torch
 from transformers import PreTrainedModel
 
 from backends.torch.config import TorchBackendConfig
+from backends.torch.cuda_graphs import Capturer, DecodeGraphs, cuda_capturer
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
-from backends.torch.inputs import ModelInput, prepare_inputs
+from backends.torch.inputs import ModelInput
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import (
     check_architecture,
@@ -34,8 +35,10 @@ from backends.torch.loader import (
 )
 from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.sampler import Sampler
+from backends.torch.staging import InputStager, StagedInput
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
+from schedulers.block_manager import blocks_for
 from schedulers.load_phase import WARMING_UP, load_phase
 
 
@@ -149,6 +152,18 @@ class TorchBackend(Backend):
             self._vocab_size(hf_config), self.device, config.max_num_seqs,
             cpu_kernels=config.cpu_kernels,
         )  # fmt: skip
+        capture = self._graph_capturer()
+        self.stager = InputStager(
+            config.block_size, blocks_for(self.max_model_len, config.block_size),
+            self.kv_cache.scratch_block, self.device, max_num_seqs=config.max_num_seqs,
+            static_device_buffer=True if capture is not None else None,
+        )  # fmt: skip
+        self.graphs: DecodeGraphs | None = None
+        if capture is not None:
+            self.graphs = DecodeGraphs(
+                self.stager, self._forward, self.sampler.vocab_size, config.max_num_seqs, capture
+            )
+            run_on_device_thread(self.graphs.capture_all)
 
     @classmethod
     def create(cls, model: PreTrainedModel, tokenizer: Any, **kwargs: Any) -> TorchBackend:
@@ -183,6 +198,17 @@ class TorchBackend(Backend):
 
         return call_on_own_thread(build, "carousel-load")
 
+    def _graph_capturer(self) -> Capturer | None:
+        """How decode steps are captured (cuda_graphs.py); None: every step runs eager.
+
+        On CUDA unless `enforce_eager`; never for tensor parallelism, whose ranks meet in
+        collectives between the kernels.
+        """
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager or config.tensor_parallel_size > 1:
+            return None
+        return cuda_capturer(self.device)
+
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         """KV blocks to allocate (tensor parallelism overrides it with the ranks' agreed count)."""
         return plan_num_blocks(layout, budget, self.max_model_len, max_num_seqs)
@@ -205,11 +231,19 @@ class TorchBackend(Backend):
 
     def _execute(self, batch: Batch) -> ExecuteOutput:
         rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
-        logits = self.raw_logits(batch, rows)  # the sampler widens them where it must
         seqs = [batch.seqs[i] for i in rows]
+        replayed = self.graphs.run(batch) if self.graphs is not None else None
+        if replayed is None:
+            logits = self.raw_logits(batch, rows)  # the sampler widens them where it must
+            greedy = None
+        else:
+            logits, greedy = replayed  # the real rows only: padding never reaches the sampler
+            if len(rows) < len(batch.seqs):
+                index = torch.tensor(rows, dtype=torch.long, device=self.device)
+                logits, greedy = logits[index], greedy[index]
         if not seqs:
             return ExecuteOutput()
-        sampled = self.sampler(logits, seqs)
+        sampled = self.sampler(logits, seqs, greedy_ids=greedy)
         return ExecuteOutput(
             sampled={seq.seq_id: tok for seq, tok in zip(seqs, sampled, strict=True)}
         )
@@ -221,17 +255,29 @@ class TorchBackend(Backend):
 
     def raw_logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
         """`logits` in the model's dtype."""
-        inputs = self.prepare(batch)
-        indices = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.device)
-        out: torch.Tensor = self.model(inputs.input_ids, inputs.positions, inputs.layout, indices)
+        staged = self.stage(batch, rows)
+        return self._forward(staged.model_input, staged.logits_indices)
+
+    def _forward(
+        self, inputs: ModelInput, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The model's logits for staged `inputs` (what a CUDA graph captures, all rows)."""
+        out: torch.Tensor = self.model(
+            inputs.input_ids, inputs.positions, inputs.layout, logits_indices
+        )
         return out
+
+    def stage(self, batch: Batch, rows: list[int] | None = None) -> StagedInput:
+        """`batch`'s inputs in the persistent buffers, on the device in one copy (staging.py)."""
+        return self.stager.stage(batch, rows)
 
     def prepare(self, batch: Batch) -> ModelInput:
         """Flatten `batch` into token ids, positions and attention layout on the device."""
-        return prepare_inputs(batch, self.kv_cache.block_size, self.device)
+        return self.stage(batch).model_input
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
+        self.stager.release(seq_id)
 
     def close(self) -> None:
         self.model.native_layers = None  # it holds every layer's K/V tensors too

@@ -22,7 +22,6 @@ before temperature, top-k, top-p and min-p. Masked tokens (`-inf` logits) get a 
 
 from __future__ import annotations
 
-import itertools
 import math
 import secrets
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch
 
 from backends.torch import kernels
 from backends.torch.grammar_mask import GrammarMask
+from backends.torch.token_counts import TokenCounts
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
 
@@ -64,15 +64,27 @@ class Sampler:
         max_num_seqs: int = 256,
         *,
         cpu_kernels: bool = True,
+        host_branches: bool | None = None,
     ) -> None:
+        """`host_branches`: let top-p ask the device whether it may skip work (a host sync;
+        None: only on the CPU, where a sync costs nothing)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._argmax = _argmax_of(self.device, cpu_kernels)
         self._generators: dict[int, torch.Generator] = {}
         self._grammar_mask = GrammarMask(vocab_size, max_rows=max_num_seqs)
+        self._counts = TokenCounts(vocab_size, self.device)
+        self._host_branches = self.device.type == "cpu" if host_branches is None else host_branches
+        self._host_out = torch.empty(0, dtype=torch.float64, pin_memory=_pinnable(self.device))
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob]:
-        """Sample one token for each sequence from `logits` [B, V], row i for `seqs[i]`."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], greedy_ids: torch.Tensor | None = None
+    ) -> list[TokenLogprob]:
+        """Sample one token for each sequence from `logits` [B, V], row i for `seqs[i]`.
+
+        `greedy_ids` [B]: the rows' argmax over the vocabulary, already computed (a CUDA
+        graph's), taken when the whole batch is plain greedy.
+        """
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sequences")
         if not seqs:
@@ -82,44 +94,71 @@ class Sampler:
         constrained = any(seq.grammar is not None for seq in seqs)
         if not constrained and all(_is_plain_greedy(p) for p in params):
             # NOTE: in the model's dtype: widening to fp32 is exact, so the argmax is the same
-            greedy_ids = self._argmax(logits[:, : self.vocab_size]).tolist()
-            return [TokenLogprob(token_id, math.nan, []) for token_id in greedy_ids]
+            if greedy_ids is None:
+                greedy_ids = self._argmax(logits[:, : self.vocab_size])
+            return [TokenLogprob(token_id, math.nan, []) for token_id in greedy_ids.tolist()]
         # NOTE: the steps below write into the logits, so they get a copy of the caller's
         # (which may be the model's own inference-mode tensor, where in-place writes are
         # refused): one copy, the widening's own where it widens
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=adjusted or constrained)
         if adjusted:
             _apply_logit_bias(logits, params)
-            _apply_penalties(logits, seqs)
+            _apply_penalties(logits, seqs, self._counts)
         if constrained:  # NOTE: other rows stay untouched
             self._grammar_mask(logits, [seq.grammar for seq in seqs])
         if all(_is_greedy(p) for p in params):
             tokens = self._argmax(logits)  # [B]
         else:
             tokens = self._pick(logits, seqs)
-        token_ids = tokens.tolist()
-        logprobs = [math.nan] * len(seqs)
-        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if wanted:  # NOTE: a full-vocab log_softmax costs more than the argmax: only where asked
-            rows = torch.tensor(wanted, device=logits.device) if len(wanted) < len(seqs) else None
-            asked = logits if rows is None else logits[rows]  # [R, V]
-            # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
-            # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks/history/)
-            log_probs = asked.log_softmax(dim=-1)  # [R, V]
-            picked = tokens if rows is None else tokens[rows]
-            values = log_probs.gather(-1, picked[:, None]).squeeze(-1)  # [R]
-            asked_tops = _top_logprobs(log_probs, [params[i] for i in wanted])
-            for i, value, top in zip(wanted, values.tolist(), asked_tops, strict=True):
-                logprobs[i], tops[i] = value, top
+        if not wanted:
+            return [TokenLogprob(token_id, math.nan, []) for token_id in tokens.tolist()]
+        # NOTE: a full-vocab log_softmax costs more than the argmax: only where asked
+        rows = torch.tensor(wanted, device=logits.device) if len(wanted) < len(seqs) else None
+        asked = logits if rows is None else logits[rows]  # [R, V]
+        # NOTE: log_softmax, not logits - logsumexp: torch's logsumexp (its exp) takes a slow
+        # path on -inf, 4x slower on a grammar-masked batch (docs/benchmarks/history/)
+        log_probs = asked.log_softmax(dim=-1)  # [R, V]
+        picked = tokens if rows is None else tokens[rows]
+        values = log_probs.gather(-1, picked[:, None]).squeeze(-1)  # [R]
+        top_counts = [params[i].logprobs or 0 for i in wanted]
+        k = min(max(top_counts), log_probs.shape[-1])
+        top_values, top_ids = log_probs.topk(k, dim=-1) if k else (values[:, None][:, :0],) * 2
+        # NOTE: the step's tokens, logprobs and top alternatives come back in one copy
+        host = self._to_host([tokens, values, top_ids.flatten(), top_values.flatten()])
+        b, r = len(seqs), len(wanted)
+        token_ids = [int(t) for t in host[:b]]
+        logprobs = [math.nan] * b
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        ids_at, values_at = b + r, b + r + r * k
+        for j, (i, n) in enumerate(zip(wanted, top_counts, strict=True)):
+            logprobs[i] = host[b + j]
+            ids = host[ids_at + j * k : ids_at + j * k + n]
+            tops[i] = list(zip((int(t) for t in ids), host[values_at + j * k :][:n], strict=True))
         return [
             TokenLogprob(token_id, logprob, top)
             for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True)
         ]
 
+    def _to_host(self, parts: list[torch.Tensor]) -> list[float]:
+        """`parts` flattened into one float64 list (ids up to 2^53 are exact): one copy to
+        the host, into a pinned buffer on CUDA."""
+        flat = torch.cat([part.to(torch.float64) for part in parts])
+        if flat.device.type == "cpu":
+            return flat.tolist()  # type: ignore[no-any-return]
+        if self._host_out.numel() < flat.numel():
+            self._host_out = torch.empty(
+                2 * flat.numel(), dtype=torch.float64, pin_memory=_pinnable(self.device)
+            )
+        host = self._host_out[: flat.numel()]
+        host.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()
+        return host.tolist()  # type: ignore[no-any-return]
+
     def release(self, seq_id: int) -> None:
-        """Forget the generator of a finished sequence."""
+        """Forget the generator and token counts of a finished sequence."""
         self._generators.pop(seq_id, None)
+        self._counts.release(seq_id)
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Token ids [B] for a batch mixing greedy and sampled rows."""
@@ -140,7 +179,7 @@ class Sampler:
         logits = logits / temperature  # [R, V]
         floors = []
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            floors.append(_top_k_top_p_floor(logits, params))
+            floors.append(_top_k_top_p_floor(logits, params, host_branches=self._host_branches))
         if any(p.min_p > 0.0 for p in params):
             floors.append(_min_p_floor(logits, params))
         for floor in floors:
@@ -162,6 +201,11 @@ class Sampler:
             generator.manual_seed(seed)
             self._generators[seq.seq_id] = generator
         return generator
+
+
+def _pinnable(device: torch.device) -> bool:
+    """Whether host buffers for `device` are pinned (CUDA present and the device is one)."""
+    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def _argmax_of(device: torch.device, cpu_kernels: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -211,7 +255,7 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> Non
         logits.index_put_(index, values, accumulate=True)
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCounts) -> None:
     """Apply repetition, presence and frequency penalties in place, only to rows that set them."""
     rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.has_penalties]
     if not rows:
@@ -221,29 +265,19 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     row_index = torch.tensor(rows, device=logits.device)
     sub = logits[row_index]  # [R, V]
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = _token_counts([seq.all_token_ids() for seq in penalized], sub) > 0  # [R, V]
+        keys = [(seq.seq_id, "all") for seq in penalized]
+        all_ids = [seq.all_token_ids() for seq in penalized]
+        seen = counts.rows(keys, all_ids, list(penalized)) > 0  # [R, V]
         penalty = _column([p.repetition_penalty for p in params], sub)
         sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        counts = _token_counts([seq.output_token_ids for seq in penalized], sub)  # [R, V]
+        keys = [(seq.seq_id, "output") for seq in penalized]
+        outputs = [seq.output_token_ids for seq in penalized]
+        output_counts = counts.rows(keys, outputs, list(penalized))  # [R, V]
         presence = _column([p.presence_penalty for p in params], sub)
         frequency = _column([p.frequency_penalty for p in params], sub)
-        sub = sub - frequency * counts - presence * (counts > 0)
+        sub = sub - frequency * output_counts - presence * (output_counts > 0)
     logits[row_index] = sub
-
-
-def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """How often each token id occurs in each row's list: float32 [R, V] (ids outside dropped)."""
-    counts = torch.zeros_like(like)
-    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=like.device)
-    token_ids = torch.tensor(
-        list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=like.device
-    )
-    row_ids = torch.repeat_interleave(torch.arange(len(token_lists), device=like.device), lengths)
-    valid = (token_ids >= 0) & (token_ids < like.shape[-1])
-    ones = torch.ones(int(valid.sum()), dtype=like.dtype, device=like.device)
-    counts.index_put_((row_ids[valid], token_ids[valid]), ones, accumulate=True)
-    return counts
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
@@ -258,7 +292,11 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
 
 
 def _top_k_top_p_floor(
-    logits: torch.Tensor, params: list[SamplingParams], head: int = _NUCLEUS_HEAD
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    head: int = _NUCLEUS_HEAD,
+    *,
+    host_branches: bool = True,
 ) -> torch.Tensor:
     """The smallest logit [R, 1] each row keeps under its top_k, then its top_p.
 
@@ -268,6 +306,8 @@ def _top_k_top_p_floor(
     only when one does not fit there.
     NOTE: the floor is a value, so logits tied with the last kept one are kept too: the result
     depends neither on how ties sort nor on how many columns the batch sorted.
+    `host_branches=False` (a GPU) asks the device nothing: both the head's nuclei and the
+    whole sort's are computed, and each row takes the head's where its nucleus fits there.
     """
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -285,9 +325,14 @@ def _top_k_top_p_floor(
     if not has_top_p:
         return floor
     sorted_logits = sorted_logits.masked_fill(sorted_logits < floor, -math.inf)
-    nucleus_floor = _nucleus_floor(logits, sorted_logits, k_column, params)
-    if nucleus_floor is None:
+    nucleus_floor, overflows = _nucleus_floor(
+        logits, sorted_logits, k_column, params, host_branches
+    )
+    if overflows is not None and host_branches and bool(overflows.any()):
         return _top_k_top_p_floor(logits, params, head=vocab)
+    if overflows is not None and not host_branches:
+        whole = _top_k_top_p_floor(logits, params, head=vocab, host_branches=False)
+        return torch.where(overflows, whole, torch.maximum(floor, nucleus_floor))
     return torch.maximum(floor, nucleus_floor)
 
 
@@ -296,49 +341,33 @@ def _nucleus_floor(
     sorted_logits: torch.Tensor,
     top_k: torch.Tensor,
     params: list[SamplingParams],
-) -> torch.Tensor | None:
-    """The smallest logit [R, 1] in each row's top_p nucleus (-inf where top_p is off).
+    host_branches: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The smallest logit [R, 1] in each row's top_p nucleus (-inf where top_p is off), and
+    which rows' nuclei do not fit in the W columns ([R, 1] bool; None when W is the vocab).
 
     `sorted_logits` [R, W] are the W largest of `logits` [R, V], descending, with those outside
-    each row's top_k (`top_k` [R, 1], V = off) already -inf. None when a nucleus does not fit
-    in the W columns. Masses are running sums, the same whatever W.
+    each row's top_k (`top_k` [R, 1], V = off) already -inf. Masses are running sums, the
+    same whatever W. `host_branches`: skip the whole row's mass where no row needs it (a
+    host sync; without it, it is always computed).
     """
     vocab = logits.shape[-1]
     top = sorted_logits[:, :1]
     running = (sorted_logits - top).exp().cumsum(dim=-1)  # [R, W] unnormalized mass so far
     total = running[:, -1:]  # [R, 1] mass of each row's top-k set ...
-    if bool((top_k == vocab).any()):  # ... or of its whole row when top_k is off
+    if not host_branches or bool((top_k == vocab).any()):  # ... or of its whole row (no top_k)
         whole_row = (logits - top).exp().cumsum(dim=-1)[:, -1:]
         total = torch.where(top_k < vocab, total, whole_row)
     cutoffs = [p.top_p - _TOP_P_SLACK if p.top_p < 1.0 else math.inf for p in params]
     cutoff = _column(cutoffs, logits) * total  # [R, 1]
     is_on = cutoff.isfinite()
-    if bool((is_on & (running[:, -1:] < cutoff)).any()):
-        return None
+    overflows = None if sorted_logits.shape[-1] == vocab else is_on & (running[:, -1:] < cutoff)
     mass_before = torch.nn.functional.pad(running[:, :-1], (1, 0))  # [R, W]
     num_kept = (mass_before < cutoff).sum(dim=-1, keepdim=True).clamp_min_(1)  # [R, 1]
-    return sorted_logits.gather(-1, num_kept - 1).masked_fill_(~is_on, -math.inf)
+    return sorted_logits.gather(-1, num_kept - 1).masked_fill_(~is_on, -math.inf), overflows
 
 
 def _min_p_floor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The smallest logit [R, 1] with prob >= min_p * the row's top prob (0 = off)."""
     min_p = _column([p.min_p for p in params], logits)
     return logits.amax(dim=-1, keepdim=True) + min_p.log()
-
-
-def _top_logprobs(
-    log_probs: torch.Tensor, params: list[SamplingParams]
-) -> list[list[tuple[int, float]]]:
-    """For each row, its `logprobs` most likely (id, logprob) pairs, descending; [] if none."""
-    wanted = [p.logprobs or 0 for p in params]
-    tops: list[list[tuple[int, float]]] = [[] for _ in params]
-    rows = [i for i, n in enumerate(wanted) if n > 0]
-    if not rows:
-        return tops
-    row_index = torch.tensor(rows, device=log_probs.device)
-    k = min(max(wanted), log_probs.shape[-1])
-    values, ids = log_probs[row_index].topk(k, dim=-1)  # [R, k], sorted descending
-    for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
-        n = wanted[row]
-        tops[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
-    return tops

@@ -58,6 +58,7 @@ def torch_backend_config(settings: Settings) -> Any:
         attention_backend=settings.attention_backend,
         cpu_kernels=settings.cpu_kernels,
         compile=settings.compile,
+        enforce_eager=settings.enforce_eager,
         tensor_parallel_size=settings.tensor_parallel_size,
     )
 

@@ -86,6 +86,10 @@ class ModelSettings(BaseModel):
         False, description="torch.compile the dense part of each layer at start-up (C++ compiler)",
         json_schema_extra=torch_only(),
     )  # fmt: skip
+    enforce_eager: bool = Field(
+        False, description="CUDA: no CUDA graphs for decode steps (every step runs eager)",
+        json_schema_extra=torch_only(),
+    )  # fmt: skip
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
     sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")

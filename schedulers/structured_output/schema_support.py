@@ -22,8 +22,6 @@ import copy
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import jsonschema_rs
-
 Problem = tuple[Literal["invalid", "unsupported", "too_large"], str]
 
 #: the drafts a schema may declare in `$schema` (http or https, with or without a final '#')
@@ -85,6 +83,11 @@ def json_schema_problem(schema: Any) -> Problem | None:
         draft = node.get("$schema")
         if draft is not None and _draft_key(draft) not in KNOWN_DRAFTS:
             return "invalid", f"Unknown '$schema' {draft!r} at {pointer or '/'}."
+    # NOTE: imported here, not at module level: the engine imports this module, and the GPU
+    # image (torch, transformers, no registry) has no jsonschema_rs; only a request with a
+    # schema needs it, and structured outputs need xgrammar there anyway
+    import jsonschema_rs
+
     try:
         jsonschema_rs.meta.validate(schema)
     except jsonschema_rs.ValidationError as error:
