@@ -39,6 +39,8 @@ from gateway.http.middleware import (
 from gateway.http.routes import router
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficRecorder
+from gateway.rollout.controller import RolloutController, RolloutMetrics
+from gateway.rollout.store import FileRolloutStore, MemoryRolloutStore, RolloutStore
 from gateway.settings.load import Settings
 from gateway.state import GatewayState
 
@@ -73,6 +75,7 @@ def create_app(
     if state.recorder is not None:
         recorder = state.recorder
         metrics.watch_traffic_record(lambda: (recorder.written, recorder.dropped))
+    state.rollouts = rollouts(settings, served, metrics)
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
@@ -93,6 +96,32 @@ def create_app(
     )
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def rollouts(
+    settings: Settings, served: Deployments, metrics: GatewayMetrics
+) -> dict[str, RolloutController]:
+    """The `rollout:` of the settings, driving the deployment of the same served name."""
+    if settings.rollout is None:
+        return {}
+    deployment = served.get(settings.model_name)
+    names = {a.name for a in deployment.primaries}
+    for name in (settings.rollout.baseline, settings.rollout.candidate):
+        if name not in names:
+            raise ValueError(f"the rollout's arm `{name}` is not an arm of `{deployment.name}`")
+    store: RolloutStore = (
+        FileRolloutStore(settings.rollout_state_file)
+        if settings.rollout_state_file
+        else MemoryRolloutStore()
+    )
+    controller = RolloutController(
+        deployment.name,
+        settings.rollout,
+        list(deployment.primaries),
+        store,
+        RolloutMetrics(metrics.registry),
+    )
+    return {deployment.name: controller}
 
 
 def traffic_recorder(settings: Settings) -> TrafficRecorder | None:

@@ -1,4 +1,4 @@
-"""`carousel serve | generate | bench`.
+"""`carousel serve | generate | bench | rollout`.
 
 The flags are derived from the settings (gateway/settings/flags.py) and given to Settings only
 when the user typed them, so the precedence is flags > CAROUSEL_* env > YAML (--config) >
@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from gateway.app import GatewayServer, create_app
 from gateway.arms.engine_factory import load_backend, scheduler_config
 from gateway.obs.logging import configure_logging
+from gateway.rollout_cli import add_rollout
 from gateway.settings.flags import add_setting_flags, settings_kwargs
 from gateway.settings.groups import GROUPS
 from gateway.settings.load import Settings
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_bench(sub)
+    add_rollout(sub)
     return parser
 
 

@@ -178,6 +178,16 @@ class ServerSettings(BaseModel):
         "--replay` (off by default)",
         json_schema_extra={"metavar": "FILE"},
     )
+    rollout_state_file: str | None = Field(
+        None,
+        description="keep the `rollout:` state in this JSON file, so a restarted gateway "
+        "resumes the rollout (default: in memory)",
+        json_schema_extra={"metavar": "FILE"},
+    )
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="keys that may call /admin/... (default: any API key, or none without keys)",
+    )
     record_redact: bool = Field(
         False, description="record lengths and parameters only, never the text"
     )
