@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 from gateway.app import create_app
 from gateway.arms.choice import choose_by_weight, user_point
 from gateway.arms.deployment import Deployment
+from gateway.cli import main as cli_main
 from gateway.rollout.controller import RolloutController, RolloutMetrics
 from gateway.rollout.store import FileRolloutStore, MemoryRolloutStore
 from gateway.settings.load import Settings
@@ -158,7 +160,9 @@ def upstream_arms() -> list[dict[str, object]]:
     return [{"name": n, "upstream": upstream} for n in ("orca", "sjf")]
 
 
-def test_admin_routes_show_and_steer_the_rollout_behind_an_admin_key() -> None:
+def test_admin_routes_show_and_steer_the_rollout_behind_an_admin_key(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     settings = Settings(
         backend="sim",
         served_model_name="m",
@@ -181,6 +185,10 @@ def test_admin_routes_show_and_steer_the_rollout_behind_an_admin_key() -> None:
         status = httpx.get(f"{url}/admin/rollout", headers=admin).json()
         assert status["status"] == "running" and status["candidate_share"] == 5
         assert status["n"] == {"baseline": 1, "candidate": 1}
+        assert cli_main(["rollout", "pause", "--url", url, "--api-key", "admin-key"]) == 0
+        out = capsys.readouterr().out  # the server's log lines too: the CLI's JSON is last
+        assert json.loads(out[out.rindex('{\n  "model"') :])["status"] == "paused"
+        assert cli_main(["rollout", "status", "--url", url, "--api-key", "user-key"]) == 1
         aborted = httpx.post(f"{url}/admin/rollout/abort", headers=admin)
         assert aborted.json()["status"] == "aborted"
         again = httpx.post(f"{url}/admin/rollout/abort", headers=admin)
