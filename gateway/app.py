@@ -40,7 +40,7 @@ from gateway.http.routes import router
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficRecorder
 from gateway.rollout.controller import RolloutController, RolloutMetrics
-from gateway.rollout.store import FileRolloutStore, MemoryRolloutStore, RolloutStore
+from gateway.rollout.store import open_store
 from gateway.settings.load import Settings
 from gateway.state import GatewayState
 
@@ -109,11 +109,7 @@ def rollouts(
     for name in (settings.rollout.baseline, settings.rollout.candidate):
         if name not in names:
             raise ValueError(f"the rollout's arm `{name}` is not an arm of `{deployment.name}`")
-    store: RolloutStore = (
-        FileRolloutStore(settings.rollout_state_file)
-        if settings.rollout_state_file
-        else MemoryRolloutStore()
-    )
+    store = open_store(settings.rollout_store, deployment.name)
     controller = RolloutController(
         deployment.name,
         settings.rollout,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,12 @@ from gateway.arms.choice import choose_by_weight, user_point
 from gateway.arms.deployment import Deployment
 from gateway.cli import main as cli_main
 from gateway.rollout.controller import RolloutController, RolloutMetrics
-from gateway.rollout.store import FileRolloutStore, MemoryRolloutStore
+from gateway.rollout.store import (
+    FileRolloutStore,
+    MemoryRolloutStore,
+    RedisRolloutStore,
+    RolloutStore,
+)
 from gateway.settings.load import Settings
 from gateway.settings.rollout import RolloutSettings
 from tests.conftest import serve_app, sim_arm
@@ -38,12 +45,17 @@ class FakeArm:
 
 
 def controller(
-    store: MemoryRolloutStore | FileRolloutStore | None = None,
+    store: RolloutStore | None = None,
     registry: CollectorRegistry | None = None,
+    sync_every: int = 1,
+    lease_s: float = 10.0,
 ) -> tuple[RolloutController, list[FakeArm]]:
     arms = [FakeArm("orca"), FakeArm("other"), FakeArm("sjf")]
     metrics = RolloutMetrics(registry) if registry is not None else None
-    rollout = RolloutController("m", ROLLOUT, arms, store or MemoryRolloutStore(), metrics)  # type: ignore[arg-type]
+    rollout = RolloutController(
+        "m", ROLLOUT, arms, store or MemoryRolloutStore(), metrics,  # type: ignore[arg-type]
+        sync_every=sync_every, lease_s=lease_s,
+    )  # fmt: skip
     return rollout, arms
 
 
@@ -128,7 +140,7 @@ def test_operators_pause_resume_and_promote_and_are_refused_what_does_not_apply(
     rollout, arms = controller()
     rollout.command("pause")
     feed(rollout, ttft_scale=1.5, requests=5000)
-    assert rollout.state.status == "paused" and rollout.state.tally.requests["candidate"] == 0
+    assert rollout.state.status == "paused" and rollout.status()["n"]["candidate"] == 0
     rollout.command("resume")
     rollout.command("promote")
     assert weights(arms)["sjf"] == 100
@@ -136,6 +148,41 @@ def test_operators_pause_resume_and_promote_and_are_refused_what_does_not_apply(
         rollout.command("abort")
     with pytest.raises(ValueError, match="unknown action"):
         rollout.command("restart")
+
+
+def test_replicas_share_one_rollout_and_a_survivor_finishes_it(redis_url: str) -> None:
+    """Two replicas feed one Redis store: one decides at a time, both route by the same step,
+    and when the decider dies the other takes over with no step skipped or repeated."""
+    prefix = f"test-rollout-{uuid.uuid4().hex}"
+    first, first_arms = controller(RedisRolloutStore(redis_url, prefix), sync_every=5, lease_s=0.3)
+    second, second_arms = controller(
+        RedisRolloutStore(redis_url, prefix), sync_every=5, lease_s=0.3
+    )
+    rng = np.random.default_rng(0)
+
+    def serve(replica: RolloutController) -> None:
+        arm = "sjf" if rng.random() * 100 < replica.share else "orca"
+        ttft = float(rng.lognormal(np.log(200), 0.5)) * (0.7 if arm == "sjf" else 1.0)
+        replica.observe(arm, {"ttft_ms": ttft, "tpot_ms": 20.0, "e2e_ms": ttft, "error": 0.0})
+
+    while first.state.step == 0:
+        serve(first)
+        serve(second)
+    for _ in range(5):  # the other replica's next sync adopts the new step
+        serve(second)
+    assert second.state.step == first.state.step == 1
+    assert weights(first_arms) == weights(second_arms) == {"orca": 75, "other": 0, "sjf": 25}
+    time.sleep(0.5)  # `first` dies: its lease expires
+    for _ in range(200_000):
+        if second.state.status == "promoted":
+            break
+        serve(second)
+    assert second.state.status == "promoted"
+    decisions = second.state.decisions
+    assert [d["kind"] for d in decisions] == ["advance"] * 3
+    assert [d["share"] for d in decisions] == [5, 25, 50]
+    restarted, arms = controller(RedisRolloutStore(redis_url, prefix))
+    assert restarted.state.status == "promoted" and weights(arms)["sjf"] == 100
 
 
 ARMS = [

@@ -10,15 +10,18 @@ candidate share), and an arm is chosen by a user's fixed point in [0, 1) over th
 weights (gateway/arms/choice.py), so as the candidate's share grows its slice only grows: a
 user moves from baseline to candidate once, and back only on a rollback.
 
-The state (step, status, tally, carried guardrail e-values, decision log) is saved to the
-`RolloutStore` after every decision and every `SAVE_EVERY` samples, and read back at start,
-so a restarted gateway resumes where it stood.
+Replicas and restarts (gateway/rollout/store.py): every `sync_every` samples a replica adds
+its pending tally increment to the store's tally of the current epoch (a step, or a resumed
+one), adopts the shared state if another replica or an operator changed it, and, if it holds
+the lease, looks at the shared tally and acts; a decision is saved whole with a new epoch. A
+restarted gateway reads the state back and resumes where it stood.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
@@ -36,7 +39,10 @@ log = structlog.get_logger("carousel.rollout")
 
 Status = Literal["running", "held", "paused", "rolled_back", "promoted", "aborted"]
 FINAL: tuple[Status, ...] = ("rolled_back", "promoted", "aborted")
-SAVE_EVERY = 50
+#: samples between syncs with the store (each sync may decide)
+SYNC_EVERY = 20
+#: the decider's lease, renewed at every sync
+LEASE_S = 10.0
 
 
 class WeightedArm(Protocol):
@@ -53,16 +59,19 @@ class RolloutState:
     step: int = 0
     status: Status = "running"
     step_started: float = field(default_factory=time.time)
-    tally: Tally = field(default_factory=Tally)
+    #: which tally in the store counts now (a new one at each advance or resume)
+    epoch: int = 0
     carried: dict[str, float] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    #: the epoch's shared tally as last read (not saved: the store keeps it)
+    tally: Tally = field(default_factory=Tally)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "status": self.status,
             "step_started": self.step_started,
-            "tally": self.tally.to_json(),
+            "epoch": self.epoch,
             "carried": self.carried,
             "decisions": self.decisions,
         }
@@ -73,7 +82,7 @@ class RolloutState:
             data["step"],
             data["status"],
             data["step_started"],
-            Tally.from_json(data["tally"]),
+            data["epoch"],
             dict(data["carried"]),
             list(data["decisions"]),
         )
@@ -108,6 +117,8 @@ class RolloutController:
         store: RolloutStore,
         metrics: RolloutMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        sync_every: int = SYNC_EVERY,
+        lease_s: float = LEASE_S,
     ) -> None:
         self.model = model
         self.spec: RolloutSpec = build_spec(settings)
@@ -115,10 +126,16 @@ class RolloutController:
         self.store = store
         self.metrics = metrics
         self.clock = clock
+        self.sync_every = sync_every
+        self.lease_s = lease_s
+        self.owner = uuid.uuid4().hex
         saved = store.load()
         self.state = RolloutState.from_json(saved) if saved else RolloutState(step_started=clock())
+        if saved:
+            self.state.tally = store.tally(self.state.epoch)
         self.observer = StepObserver(self.spec)
-        self._unsaved = 0
+        self.pending = Tally()
+        self._unsynced = 0
         self.apply_weights()
 
     @property
@@ -149,12 +166,37 @@ class RolloutController:
         role = {self.settings.baseline: "baseline", self.settings.candidate: "candidate"}.get(arm)
         if role is None or not sample or self.state.status not in ("running", "held"):
             return None
-        self.state.tally.merge(self.observer.observe(role, sample))
-        self._unsaved += 1
-        decision = self.look()
-        if decision is None and self._unsaved >= SAVE_EVERY:
-            self.save()
-        return decision
+        self.pending.merge(self.observer.observe(role, sample))
+        self._unsynced += 1
+        return self.sync() if self._unsynced >= self.sync_every else None
+
+    def sync(self) -> Decision | None:
+        """Add this replica's samples to the store, adopt the shared state, and, holding the
+        lease, decide on the shared tally."""
+        self.store.add_tally(self.state.epoch, self.pending)
+        self.pending, self._unsynced = Tally(), 0
+        self.adopt()
+        if self.state.status not in ("running", "held"):
+            return None
+        if not self.store.lease(self.owner, self.lease_s):
+            return None
+        self.state.tally = self.store.tally(self.state.epoch)
+        return self.look()
+
+    def adopt(self) -> None:
+        """Take the store's state if someone else changed it (a decision, a command)."""
+        shared = self.store.load()
+        if shared is None:
+            return
+        if shared["epoch"] == self.state.epoch and len(shared["decisions"]) == len(
+            self.state.decisions
+        ):
+            return
+        epoch = self.state.epoch
+        self.state = RolloutState.from_json(shared)
+        if self.state.epoch != epoch:
+            self.observer, self.pending = StepObserver(self.spec), Tally()
+        self.apply_weights()
 
     def look(self) -> Decision | None:
         """Apply the decision rule now; act on what it decides."""
@@ -206,7 +248,8 @@ class RolloutController:
             )
         if kind in ("advance", "resume"):
             state.step_started = self.clock()
-            state.tally = Tally()
+            state.epoch += 1
+            state.tally, self.pending = Tally(), Tally()
             self.observer = StepObserver(self.spec)
         state.decisions.append(entry)
         log.info("rollout_decision", model=self.model, **entry)
@@ -225,17 +268,20 @@ class RolloutController:
         }
         if action not in allowed:
             raise ValueError(f"unknown action `{action}`; valid: {', '.join(allowed)}")
+        self.adopt()
         if self.state.status not in allowed[action]:
             raise ValueError(f"cannot {action} a rollout that is {self.state.status}")
         self._act(action, "operator", {})
 
     def save(self) -> None:
         self.store.save(self.state.to_json())
-        self._unsaved = 0
 
     def status(self) -> dict[str, Any]:
-        """What `carousel rollout status` shows."""
-        tally = self.state.tally
+        """What `carousel rollout status` shows (the shared tally, with this replica's
+        samples not yet synced)."""
+        self.adopt()
+        tally = self.store.tally(self.state.epoch)
+        tally.merge(self.pending)
         return {
             "model": self.model,
             "baseline": self.settings.baseline,

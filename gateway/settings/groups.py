@@ -178,11 +178,11 @@ class ServerSettings(BaseModel):
         "--replay` (off by default)",
         json_schema_extra={"metavar": "FILE"},
     )
-    rollout_state_file: str | None = Field(
+    rollout_store: str | None = Field(
         None,
-        description="keep the `rollout:` state in this JSON file, so a restarted gateway "
-        "resumes the rollout (default: in memory)",
-        json_schema_extra={"metavar": "FILE"},
+        description="keep the `rollout:` state in this JSON file, or in Redis (a redis:// "
+        "URL) shared by replicas; a restarted gateway resumes the rollout (default: memory)",
+        json_schema_extra={"metavar": "FILE|URL"},
     )
     admin_api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
