@@ -40,6 +40,8 @@ from gateway.http.middleware import (
 from gateway.http.routes import router
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficRecorder
+from gateway.rollout.controller import RolloutController, RolloutMetrics
+from gateway.rollout.store import open_store
 from gateway.settings.load import Settings
 from gateway.settings.principals import Principal
 from gateway.state import GatewayState
@@ -76,6 +78,7 @@ def create_app(
     if state.recorder is not None:
         recorder = state.recorder
         metrics.watch_traffic_record(lambda: (recorder.written, recorder.dropped))
+    state.rollouts = rollouts(settings, served, metrics)
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)
@@ -111,6 +114,28 @@ def response_store(settings: Settings, budgets: dict[str, int]) -> ResponseStore
 def _budgets(keys: list[tuple[str, Principal]]) -> list[tuple[str, int]]:
     """Each principal's own `max_stored_bytes`, where it sets one."""
     return [(p.name, p.max_stored_bytes) for _, p in keys if p.max_stored_bytes is not None]
+
+
+def rollouts(
+    settings: Settings, served: Deployments, metrics: GatewayMetrics
+) -> dict[str, RolloutController]:
+    """The `rollout:` of the settings, driving the deployment of the same served name."""
+    if settings.rollout is None:
+        return {}
+    deployment = served.get(settings.model_name)
+    names = {a.name for a in deployment.primaries}
+    for name in (settings.rollout.baseline, settings.rollout.candidate):
+        if name not in names:
+            raise ValueError(f"the rollout's arm `{name}` is not an arm of `{deployment.name}`")
+    store = open_store(settings.rollout_store, deployment.name)
+    controller = RolloutController(
+        deployment.name,
+        settings.rollout,
+        list(deployment.primaries),
+        store,
+        RolloutMetrics(metrics.registry),
+    )
+    return {deployment.name: controller}
 
 
 def traffic_recorder(settings: Settings) -> TrafficRecorder | None:

@@ -1,4 +1,4 @@
-"""`carousel serve [MODEL] | generate | bench`.
+"""`carousel serve [MODEL] | generate | bench | rollout`.
 
 The flags are derived from the settings (gateway/settings/flags.py) and given to Settings only
 when the user typed them, so the precedence is flags > CAROUSEL_* env > YAML (--config) >
@@ -25,6 +25,7 @@ from gateway import carousel_version
 from gateway.app import GatewayServer, create_app
 from gateway.arms.engine_factory import load_backend, scheduler_config
 from gateway.obs.logging import configure_logging, json_logs
+from gateway.rollout_cli import add_rollout
 from gateway.settings.errors import problem_lines
 from gateway.settings.flags import add_setting_flags, settings_kwargs
 from gateway.settings.groups import GROUPS
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_bench(sub)
+    add_rollout(sub)
     return parser
 
 

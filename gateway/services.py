@@ -4,6 +4,7 @@ and the Responses API's store."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ class RequestServices:
     #: where the Responses API keeps `store: true` responses (None: nothing is stored, and
     #: no `previous_response_id` is found: shadow copies)
     response_store: ResponseStore | None = None
+    #: told of every finished request (status, seconds since arrival): the rollouts
+    on_finished: Callable[[RequestContext, int, float], None] | None = None
 
     async def remember_response(self, ctx: RequestContext, response_id: str) -> None:
         """Note that `ctx`'s arm created `response_id` for `ctx`'s principal (GET, DELETE and
@@ -63,6 +66,8 @@ class RequestServices:
         log.info("request", **fields)
         if self.metrics is not None:
             self.metrics.observe_request(ctx, status, total_s)
+        if self.on_finished is not None:
+            self.on_finished(ctx, status, total_s)
         if self.recorder is not None and ctx.raw_body:
             self.recorder.record(_entry(ctx, status, fields["finish_reason"], total_s))
 

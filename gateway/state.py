@@ -20,6 +20,8 @@ from gateway.context import RequestContext
 from gateway.http.middleware import Admission
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficRecorder
+from gateway.rollout.controller import RolloutController
+from gateway.rollout.evidence import request_sample
 from gateway.services import RequestServices
 from gateway.settings.load import Settings
 
@@ -55,13 +57,23 @@ class GatewayState:
     #: stored Responses API responses (`previous_response_id`, GET/DELETE /v1/responses/{id})
     response_store: ResponseStore = field(default_factory=MemoryResponseStore)
     admission: Admission = field(default_factory=Admission)
+    #: each deployment's rollout (`rollout:`), by served name
+    rollouts: dict[str, RolloutController] = field(default_factory=dict)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def services(self) -> RequestServices:
         """What the requests served now use (the metrics, the traffic record, the store)."""
-        return RequestServices(self.metrics, self.recorder, self.response_store)
+        on_finished = self.observe_rollout if self.rollouts else None
+        return RequestServices(self.metrics, self.recorder, self.response_store, on_finished)
+
+    def observe_rollout(self, ctx: RequestContext, status: int, total_s: float) -> None:
+        """A finished request of a rollout's arm is one more sample of its tests."""
+        rollout = self.rollouts.get(ctx.model)
+        if rollout is not None and ctx.arm is not None:
+            sample = request_sample(status, ctx.ttft_s, total_s, ctx.completion_tokens)
+            rollout.observe(ctx.arm, sample)
 
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():

@@ -8,6 +8,8 @@
 - `schedulers` and `backends` never import `gateway`.
 - Inside the gateway, the rooms point one way: `gateway.api` never imports `gateway.arms` or
   `gateway.http`; `gateway.settings` and `gateway.obs` import no other gateway module.
+- `gateway.rollout` (the rollout's tests and controller) imports no gateway room but
+  `gateway.settings`: the decision core stays a pure function the simulator can run.
 - The gateway imports at module level, except the one lazy torch load.
 - No module of the project is in an import cycle (function-level and TYPE_CHECKING imports
   count: a cycle hidden behind one still couples the modules).
@@ -131,6 +133,19 @@ def test_settings_and_obs_import_no_other_gateway_module(room: str) -> None:
     folder = ROOT / room.replace(".", "/")
     edges = [e for path in sorted(folder.rglob("*.py")) for e in imports_of(path)]
     bad = [e for e in edges if top(e.target) == "gateway" and not in_room(e.target, room)]
+    assert not bad, bad
+
+
+def test_the_rollout_imports_only_the_settings() -> None:
+    edges = [
+        e for path in sorted((ROOT / "gateway/rollout").rglob("*.py")) for e in imports_of(path)
+    ]
+    bad = [
+        e
+        for e in edges
+        if top(e.target) == "gateway"
+        and not (in_room(e.target, "gateway.rollout") or in_room(e.target, "gateway.settings"))
+    ]
     assert not bad, bad
 
 

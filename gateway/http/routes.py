@@ -27,6 +27,7 @@ from gateway.arms.choice import ARM_HEADER
 from gateway.arms.deployment import Deployment
 from gateway.context import CLIENT_CLOSED, ClientDisconnected, RequestContext
 from gateway.http.auth import request_principal
+from gateway.http.rollout_admin import rollout_admin
 from gateway.http.sse import SSEResponse
 from gateway.http.stored_responses import stored_responses
 from gateway.obs.metrics import CONTENT_TYPE
@@ -251,3 +252,4 @@ async def version() -> dict[str, str]:
 router.include_router(v1)
 router.include_router(stored_responses)
 router.include_router(debug)
+router.include_router(rollout_admin)

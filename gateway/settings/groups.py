@@ -224,6 +224,16 @@ class ServerSettings(BaseModel):
         "--replay` (off by default)",
         json_schema_extra={"metavar": "FILE"},
     )
+    rollout_store: str | None = Field(
+        None,
+        description="keep the `rollout:` state in this JSON file, or in Redis (a redis:// "
+        "URL) shared by replicas; a restarted gateway resumes the rollout (default: memory)",
+        json_schema_extra={"metavar": "FILE|URL"},
+    )
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="keys that may call /admin/... (default: any API key, or none without keys)",
+    )
     record_redact: bool = Field(
         False, description="record lengths and parameters only, never the text"
     )

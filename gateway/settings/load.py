@@ -51,6 +51,7 @@ from gateway.settings.principals import (
     key_principals,
     read_key_file,
 )
+from gateway.settings.rollout import RolloutSettings
 
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "CAROUSEL_"
@@ -68,6 +69,8 @@ class Settings(
     arms: list[ArmSettings] | None = None
     #: API keys by principal, with their limits (gateway/settings/principals.py)
     principals: list[PrincipalSettings] | None = None
+    #: a progressive rollout between two of the arms (gateway/settings/rollout.py)
+    rollout: RolloutSettings | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -82,7 +85,7 @@ class Settings(
             raise ValueError(unknown_keys_message(unknown, setting_names()))
         return data
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         """Accept a JSON list or a comma-separated string (`CAROUSEL_API_KEYS=a,b`)."""
@@ -127,6 +130,28 @@ class Settings(
             message = unhonoured_message(settings)
             if message:
                 raise ValueError(message)
+        return self
+
+    @model_validator(mode="after")
+    def _rollout_arms(self) -> Settings:
+        """The rollout's two arms exist, take traffic, and do not share one device."""
+        if self.rollout is None:
+            return self
+        specs = {a.name: a for a in self.arms or [] if not a.shadow}
+        names = (self.rollout.baseline, self.rollout.candidate)
+        missing = [n for n in names if n not in specs]
+        if missing:
+            known = ", ".join(specs) or "none (no `arms:`)"
+            raise ValueError(f"rollout arm(s) {missing} are not arms of this deployment: {known}")
+        local = [specs[n] for n in names if specs[n].upstream is None]
+        devices = {getattr(a, "device", None) or self.device for a in local}
+        if len(local) == 2 and len(devices) == 1:
+            device = devices.pop() or "the default device"
+            raise ValueError(
+                f"the rollout's arms `{names[0]}` and `{names[1]}` are local arms sharing one "
+                f"device ({device}): their latencies confound each other. Give each arm its "
+                "own engine: make one an upstream arm (docs/rollout.md)."
+            )
         return self
 
     @property

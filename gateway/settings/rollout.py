@@ -1,0 +1,79 @@
+"""A deployment's progressive rollout, as written in the YAML settings (`rollout:`).
+
+```yaml
+rollout:
+  baseline: orca            # an arm of this deployment
+  candidate: sjf            # another arm (local or upstream)
+  steps: [5, 25, 50, 100]   # candidate's share of traffic, percent
+  metric: ttft_p50          # what must improve: ttft_p50|ttft_p99|tpot_p50|e2e_p50|goodput
+  guardrails:               # largest tolerated regression of the candidate
+    error_rate: 0.005       # absolute
+    ttft_p99: 0.10          # relative
+    tpot_p50: 0.10
+  min_requests: 100         # per arm per step before any decision
+  max_step_s: 3600          # a step that decides nothing by then holds
+  on_no_difference: hold    # or promote, when the equivalence test says "no difference"
+  alpha: 0.05
+```
+
+What each key means for the tests is in gateway/rollout/spec.py and docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TARGET_METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50", "goodput")
+GUARDRAIL_METRICS = (
+    "error_rate",
+    "ttft_p50",
+    "ttft_p99",
+    "tpot_p50",
+    "tpot_p99",
+    "e2e_p50",
+    "e2e_p99",
+)
+
+
+class RolloutSettings(BaseModel):
+    """The `rollout:` block: from `baseline` to `candidate`, step by step, under tests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    baseline: str
+    candidate: str
+    steps: list[float] = Field(default=[5, 25, 50, 100], min_length=1)
+    metric: Literal["ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50", "goodput"] = "ttft_p50"
+    guardrails: dict[str, float] = Field(default_factory=lambda: {"error_rate": 0.005})
+    min_requests: int = Field(100, ge=1)
+    max_step_s: float = Field(3600.0, gt=0)
+    on_no_difference: Literal["hold", "promote"] = "hold"
+    alpha: float = Field(0.05, gt=0, lt=1)
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing_to_100(cls, steps: list[float]) -> list[float]:
+        if any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)):
+            raise ValueError("steps must be increasing percentages in (0, 100]")
+        if steps[-1] != 100:
+            raise ValueError("the last step must be 100 (the candidate takes all traffic)")
+        return steps
+
+    @field_validator("guardrails")
+    @classmethod
+    def _known_guardrails(cls, guardrails: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(guardrails) - set(GUARDRAIL_METRICS))
+        if unknown:
+            valid = ", ".join(GUARDRAIL_METRICS)
+            raise ValueError(f"unknown guardrail(s) {', '.join(unknown)}; valid: {valid}")
+        if any(not 0 <= v < 1 for v in guardrails.values()):
+            raise ValueError("a guardrail's tolerated regression must lie in [0, 1)")
+        return guardrails
+
+    @model_validator(mode="after")
+    def _two_arms(self) -> RolloutSettings:
+        if self.baseline == self.candidate:
+            raise ValueError("the rollout's baseline and candidate must be different arms")
+        return self
