@@ -50,6 +50,8 @@ class RequestContext:
     engine_request_id: str = ""
     #: the first token's deadline, ms after arrival (`X-Carousel-Deadline-Ms`; `edf` reads it)
     deadline_ms: float | None = None
+    #: who sent it: the principal its API key resolves to (never the key itself)
+    principal: str = "anonymous"
     #: called once when the arm has accepted the request (shadow arms get their copy then)
     on_accepted: Callable[[], None] | None = None
     #: the path the traffic record's lines name

@@ -214,6 +214,7 @@ def test_a_slow_compile_times_out_at_its_deadline_without_stalling_other_compile
 ) -> None:
     slow = make_compiler(tokenizer, limits=GrammarLimits(compile_timeout_s=0.3))
     try:
+        slow.warm_up().result(timeout=60)
         start = time.monotonic()
         pending = slow.submit(SLOW)
         other = slow.compile(GrammarSpec.json_schema(OBJECT))  # the second worker is free
@@ -222,15 +223,64 @@ def test_a_slow_compile_times_out_at_its_deadline_without_stalling_other_compile
         waited = time.monotonic() - start
         assert isinstance(result, GrammarError) and result.code is GrammarErrorCode.TIMEOUT
         assert waited < 1.5  # the deadline, not the ~1-4 s the compile takes
-        assert slow.num_pending == 1  # the overrunning compile still holds its worker
         again = slow.submit(SLOW)  # remembered: refused at once, not compiled again
         assert again.done() and again.result() == result
-        deadline = time.monotonic() + 60
-        while slow.num_pending and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert slow.num_pending == 0
     finally:
         slow.close()
+
+
+def test_an_overrunning_compile_is_killed_so_its_worker_is_free_at_once(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    one = make_compiler(tokenizer, num_workers=1, limits=GrammarLimits(compile_timeout_s=0.3))
+    try:
+        one.warm_up().result(timeout=60)
+        (first_pid,) = one.process_ids
+        timed_out = one.compile(SLOW)
+        assert isinstance(timed_out, GrammarError)
+        assert timed_out.code is GrammarErrorCode.TIMEOUT
+        assert one.num_pending == 0  # nothing keeps running in the background
+        assert first_pid not in one.process_ids
+        start = time.monotonic()
+        assert isinstance(one.compile(GrammarSpec.json_schema(OBJECT)), CompiledGrammar)
+        assert time.monotonic() - start < 2  # the one worker took a fresh process at once
+    finally:
+        one.close()
+
+
+def test_a_failed_schema_is_refused_at_once_however_its_text_is_varied(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    one = make_compiler(tokenizer, num_workers=1, limits=GrammarLimits(compile_timeout_s=0.3))
+    try:
+        properties = {f"f{i}": {"type": "string"} for i in range(1000)}
+        first = one.compile(GrammarSpec.json_schema({"type": "object", "properties": properties}))
+        assert isinstance(first, GrammarError) and first.code is GrammarErrorCode.TIMEOUT
+        reordered = dict(reversed(list(properties.items())))
+        varied = {"properties": reordered, "description": "another text", "type": "object"}
+        again = one.submit(GrammarSpec.json_schema(varied))
+        assert again.done() and again.result() == first
+    finally:
+        one.close()
+
+
+def test_one_principal_has_at_most_its_cap_of_compiles_in_flight(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    capped = make_compiler(
+        tokenizer, max_pending_per_principal=1, limits=GrammarLimits(compile_timeout_s=0.3)
+    )
+    try:
+        running = capped.submit(SLOW, "alice")
+        refused = capped.submit(GrammarSpec.json_schema(OBJECT), "alice").result(timeout=1)
+        assert isinstance(refused, GrammarError) and refused.code is GrammarErrorCode.BUSY
+        other = capped.submit(GrammarSpec.json_schema(OBJECT), "bob").result(timeout=30)
+        assert isinstance(other, CompiledGrammar)
+        assert isinstance(running.result(timeout=30), GrammarError)
+        later = capped.submit(GrammarSpec.regex("[0-9]+"), "alice").result(timeout=30)
+        assert isinstance(later, CompiledGrammar)  # her slot is free again
+    finally:
+        capped.close()
 
 
 def test_compiles_beyond_the_pending_bound_or_queued_too_long_are_busy(
