@@ -136,6 +136,10 @@ class EngineSettings(BaseModel):
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="400 above this many prompt tokens (default: the context)"
     )
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="400 grammar_compile_timeout for an output grammar (schema, "
+        "tools) still compiling after this many seconds; its compile process is killed",
+    )  # fmt: skip
     tensor_parallel_size: int = Field(
         1, ge=1, description="torch: split the model over this many ranks (docs/parallelism.md)",
         json_schema_extra=torch_only(),
