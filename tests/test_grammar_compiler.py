@@ -248,6 +248,28 @@ def test_an_overrunning_compile_is_killed_so_its_worker_is_free_at_once(
         one.close()
 
 
+def test_after_two_compile_timeouts_a_fresh_small_schema_compiles_within_2_s(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    two = make_compiler(tokenizer, num_workers=2, limits=GrammarLimits(compile_timeout_s=0.3))
+    try:
+        two.warm_up().result(timeout=60)
+        slow = [
+            two.submit(GrammarSpec.json_schema({"type": "object", "properties": {
+                f"{prefix}{i}": {"type": "string"} for i in range(2000)}}))
+            for prefix in ("a", "b")
+        ]  # fmt: skip
+        for pending in slow:
+            result = pending.result(timeout=30)
+            assert isinstance(result, GrammarError) and result.code is GrammarErrorCode.TIMEOUT
+        start = time.monotonic()
+        fresh = two.submit(GrammarSpec.json_schema(OBJECT)).result(timeout=30)
+        assert isinstance(fresh, CompiledGrammar), fresh
+        assert time.monotonic() - start < 2.0
+    finally:
+        two.close()
+
+
 def test_a_failed_schema_is_refused_at_once_however_its_text_is_varied(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
