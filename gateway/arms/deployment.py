@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.endpoint import Endpoint, Reply
-from gateway.api.errors import invalid, model_not_found, unavailable
+from gateway.api.errors import invalid, model_not_found, shown, unavailable
 from gateway.arms.arm import Arm
 from gateway.arms.choice import ARM_HEADER, choose_by_weight, draw_point
 from gateway.arms.shadow import ShadowCopy, ShadowMirror
@@ -77,7 +77,7 @@ class Deployment:
                 return arm
         known = ", ".join(a.name for a in self.arms)
         raise invalid(
-            f"The model `{self.name}` has no arm named `{name}`; its arms are: {known}.",
+            f"The model `{self.name}` has no arm named `{shown(name)}`; its arms are: {known}.",
             param=ARM_HEADER,
             code="arm_not_found",
         )

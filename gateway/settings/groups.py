@@ -173,6 +173,10 @@ class ServerSettings(BaseModel):
         10.0, ge=0, description="on SIGTERM, let requests in flight finish this long"
     )
     metrics_open: bool = Field(True, description="serve /metrics without an API key")
+    metrics_require_key: bool = Field(
+        False, description="require an API key on /metrics too (needs api_keys; overrides "
+        "metrics_open)",
+    )  # fmt: skip
     log_level: str = Field("info", description="debug, info, warning, error")
     log_prompts: bool = Field(False, description="log prompt text (off by default)")
     log_json: bool = Field(True, description="JSON log lines (else human-readable)")

@@ -99,6 +99,8 @@ class Settings(
             message = unhonoured_message(settings)
             if message:
                 raise ValueError(message)
+        if self.metrics_require_key and not self.api_keys:
+            raise ValueError("metrics_require_key needs api_keys: no key could open /metrics")
         return self
 
     @property
