@@ -7,10 +7,14 @@ side is 320 logits wide, so ids 258..319 are vocab padding.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -425,3 +429,27 @@ def test_a_tokenizer_xgrammar_cannot_read_fails_the_compile_instead_of_hanging()
         assert unreadable.num_pending == 0
     finally:
         unreadable.close()
+
+
+def test_a_script_without_a_main_guard_compiles_without_running_again(tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from backends.torch.testing.tiny_models import tiny_tokenizer\n"
+        "from schedulers.structured_output import CompiledGrammar, GrammarCompiler, GrammarSpec\n"
+        "print('script ran', flush=True)\n"
+        "tok = tiny_tokenizer()\n"
+        "compiler = GrammarCompiler(tok, stop_token_ids=[tok.eos_token_id])\n"
+        "result = compiler.compile(GrammarSpec.regex('[0-9]+'))\n"
+        "print(isinstance(result, CompiledGrammar), flush=True)\n"
+        "compiler.close()\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.split() == ["script", "ran", "True"], done.stdout + done.stderr

@@ -15,14 +15,17 @@ against the parent's own `TokenizerInfo`.
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 import multiprocessing.context
+import os
 import re
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -66,9 +69,8 @@ class CompileProcess:
     """One child process that compiles grammars, one at a time, for one worker thread."""
 
     def __init__(self) -> None:
-        context = _forkserver_context()
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
+        self._conn, child_conn = _forkserver_context().Pipe()
+        self._process = _CompileChild(
             target=serve, args=(child_conn,), name="grammar-compile", daemon=True
         )
         self._process.start()
@@ -167,6 +169,40 @@ def compile_message(exc: Exception) -> str:
     """xgrammar's message without its C++ source prefix, on one line."""
     lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
     return _CPP_PREFIX.sub("", lines[0]).strip()
+
+
+class _Popen(popen_forkserver.Popen):
+    """The forkserver's Popen, except that the child never imports the parent's `__main__`.
+
+    NOTE: multiprocessing re-imports the main module in every child: a script without an
+    `if __name__ == "__main__"` guard (an `LLM.generate` script) would run again there, and
+    `python -m gateway.cli` would load the whole gateway. The child needs only this module.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_name", None)
+        prep_data.pop("init_main_from_path", None)
+        buf = io.BytesIO()
+        multiprocessing.context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            multiprocessing.context.set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _CompileChild(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _Popen:
+        _forkserver_context()  # the preload is set before the forkserver starts
+        return _Popen(process_obj)
 
 
 def _forkserver_context() -> multiprocessing.context.ForkServerContext:
