@@ -190,9 +190,10 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             multiprocessing.context.set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         _parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        close = util.close_fds  # type: ignore[attr-defined]  # (private, as the base class uses)
+        self.finalizer = util.Finalize(self, close, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
