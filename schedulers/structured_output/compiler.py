@@ -17,7 +17,9 @@ Bounds (a pathological schema never stalls the engine, other requests or the shu
   `queue_timeout_s` for a worker too;
 - a compiled grammar over `limits.max_grammar_bytes` resolves to `TOO_LARGE`.
 The compiled grammar crosses back as xgrammar's JSON serialisation, rebuilt against this
-process's `TokenizerInfo` (docs/structured-outputs.md has the cost).
+process's `TokenizerInfo`; one over `MAX_SERIALIZED_GRAMMAR_BYTES` is compiled again by the
+worker thread instead (serialising it would cost more than compiling it; the child's run
+showed it ends within the limit).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from schedulers.structured_output.compile_process import (
     CompileJob,
     CompileProcess,
     compile_message,
+    compile_spec,
 )
 from schedulers.structured_output.spec import (
     GrammarError,
@@ -324,7 +327,22 @@ class GrammarCompiler:
             )
         if isinstance(reply, GrammarError):
             return reply
+        if reply.serialized is None:  # large: compiling again (known to end) beats copying
+            handle = compile_spec(self._thread_compiler(vocabulary), job.spec, self.any_whitespace)
+            return CompiledGrammar(job.spec, handle, reply.memory_bytes, reply.compile_s)
         return _rebuilt(job.spec, reply, info)
+
+    def _thread_compiler(self, vocabulary: Vocabulary) -> Any:
+        """This worker's own xgrammar compiler for `vocabulary` (its cache off: ours is)."""
+        compilers: dict[Vocabulary, Any] = self._local.__dict__.setdefault("compilers", {})
+        compiler = compilers.get(vocabulary)
+        if compiler is None:
+            import xgrammar as xgr
+
+            info = self._tokenizer_info(vocabulary)
+            compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            compilers[vocabulary] = compiler
+        return compiler
 
     def _thread_process(self) -> CompileProcess:
         """This worker's compile process (started on first use, or after a kill)."""
@@ -394,6 +412,7 @@ def _rebuilt(spec: GrammarSpec, reply: CompiledText, info: Any) -> CompiledGramm
     """The child's compiled grammar as an xgrammar object of this process."""
     import xgrammar as xgr
 
+    assert reply.serialized is not None
     handle = xgr.CompiledGrammar.deserialize_json(reply.serialized, info)
     return CompiledGrammar(spec, handle, reply.memory_bytes, reply.compile_s)
 
