@@ -305,6 +305,9 @@ def test_one_principal_has_at_most_its_cap_of_compiles_in_flight(
         assert isinstance(running.result(timeout=30), GrammarError)
         later = capped.submit(GrammarSpec.regex("[0-9]+"), "alice").result(timeout=30)
         assert isinstance(later, CompiledGrammar)  # her slot is free again
+        # every request of a keyless gateway is `anonymous`: bounded by max_pending only
+        anonymous = [capped.submit(GrammarSpec.regex(f"[a-{c}]+")) for c in "bcd"]
+        assert all(isinstance(f.result(timeout=30), CompiledGrammar) for f in anonymous)
     finally:
         capped.close()
 

@@ -13,7 +13,7 @@ Bounds (a pathological schema never stalls the engine, other requests or the shu
   resolves to `TIMEOUT` and its child is killed, so the worker is free again at once and
   `close()` leaves nothing running;
 - at most `max_pending` compiles are queued or running, and at most `max_pending_per_principal`
-  of one principal's; more resolve to `BUSY` at once, and one that waited
+  of one named principal's (an API key's); more resolve to `BUSY` at once, and one that waited
   `queue_timeout_s` for a worker too;
 - a compiled grammar over `limits.max_grammar_bytes` resolves to `TOO_LARGE`.
 The compiled grammar crosses back as xgrammar's JSON serialisation, rebuilt against this
@@ -225,7 +225,8 @@ class GrammarCompiler:
         """A future of `spec` compiled, or of why it cannot be; never blocks, never raises.
 
         `principal` is who asked (RequestContext.principal): one principal has at most
-        `max_pending_per_principal` compiles queued or running.
+        `max_pending_per_principal` compiles queued or running (`anonymous`, every request
+        of a gateway without API keys, is bounded by `max_pending` only).
         NOTE: `check_spec` runs in the compile process (validating a large schema against
         its meta-schema takes ~0.1 s per 10 KB), so its errors come back through the future.
         """
@@ -248,7 +249,10 @@ class GrammarCompiler:
                 return _resolved(_busy("it is shutting down"))
             if self._num_pending >= self.max_pending:
                 return _resolved(_busy(f"{self._num_pending} grammars are already compiling"))
-            if self._pending_by_principal[principal] >= self.max_pending_per_principal:
+            # NOTE: not `anonymous`: without API keys every request is it (max_pending
+            # bounds them all), and one key holder cannot starve another
+            capped = principal != ANONYMOUS
+            if capped and self._pending_by_principal[principal] >= self.max_pending_per_principal:
                 return _resolved(
                     _busy(f"this key already has {self.max_pending_per_principal} compiling")
                 )
