@@ -87,7 +87,8 @@ def create_app(
     app.add_middleware(
         BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, on_refused=refused
     )
-    open_paths = ("/health", "/metrics") if settings.metrics_open else ("/health",)
+    metrics_open = settings.metrics_open and not settings.metrics_require_key
+    open_paths = ("/health", "/metrics") if metrics_open else ("/health",)
     app.add_middleware(
         APIKeyMiddleware, keys=KeyTable(keys), open_paths=open_paths, on_refused=refused
     )

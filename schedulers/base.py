@@ -24,6 +24,8 @@ class SchedulerConfig:
     with an error (`error_code` `queue_timeout`) instead of waiting on; None: no limit.
     `enable_prefix_caching`: the engine's block manager keeps the KV of full blocks for
     later sequences starting with the same tokens (admission starts them after the hit).
+    `grammar_compile_timeout_s`: the engine's grammar compiler gives up on (and kills) a
+    compile running longer (`GrammarLimits.compile_timeout_s`).
     """
 
     max_num_seqs: int = 32
@@ -32,6 +34,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     max_queue_wait_s: float | None = None
     enable_prefix_caching: bool = False
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -40,6 +43,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_queue_wait_s is not None and self.max_queue_wait_s <= 0:
             raise ValueError("max_queue_wait_s must be positive")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be positive")
 
 
 class AdmissionError(ValueError):

@@ -110,7 +110,9 @@ class Engine:
         self._num_queued_seqs = 0
         self._seq_ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._grammar_limits = grammar_limits
+        self._grammar_limits = grammar_limits or GrammarLimits(
+            compile_timeout_s=self.config.grammar_compile_timeout_s
+        )
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
 

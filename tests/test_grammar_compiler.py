@@ -7,10 +7,14 @@ side is 320 logits wide, so ids 258..319 are vocab padding.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,6 +218,7 @@ def test_a_slow_compile_times_out_at_its_deadline_without_stalling_other_compile
 ) -> None:
     slow = make_compiler(tokenizer, limits=GrammarLimits(compile_timeout_s=0.3))
     try:
+        slow.warm_up().result(timeout=60)
         start = time.monotonic()
         pending = slow.submit(SLOW)
         other = slow.compile(GrammarSpec.json_schema(OBJECT))  # the second worker is free
@@ -222,15 +227,89 @@ def test_a_slow_compile_times_out_at_its_deadline_without_stalling_other_compile
         waited = time.monotonic() - start
         assert isinstance(result, GrammarError) and result.code is GrammarErrorCode.TIMEOUT
         assert waited < 1.5  # the deadline, not the ~1-4 s the compile takes
-        assert slow.num_pending == 1  # the overrunning compile still holds its worker
         again = slow.submit(SLOW)  # remembered: refused at once, not compiled again
         assert again.done() and again.result() == result
-        deadline = time.monotonic() + 60
-        while slow.num_pending and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert slow.num_pending == 0
     finally:
         slow.close()
+
+
+def test_an_overrunning_compile_is_killed_so_its_worker_is_free_at_once(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    one = make_compiler(tokenizer, num_workers=1, limits=GrammarLimits(compile_timeout_s=0.3))
+    try:
+        one.warm_up().result(timeout=60)
+        (first_pid,) = one.process_ids
+        timed_out = one.compile(SLOW)
+        assert isinstance(timed_out, GrammarError)
+        assert timed_out.code is GrammarErrorCode.TIMEOUT
+        assert one.num_pending == 0  # nothing keeps running in the background
+        assert first_pid not in one.process_ids
+        start = time.monotonic()
+        assert isinstance(one.compile(GrammarSpec.json_schema(OBJECT)), CompiledGrammar)
+        assert time.monotonic() - start < 2  # the one worker took a fresh process at once
+    finally:
+        one.close()
+
+
+def test_after_two_compile_timeouts_a_fresh_small_schema_compiles_within_2_s(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    two = make_compiler(tokenizer, num_workers=2, limits=GrammarLimits(compile_timeout_s=0.3))
+    try:
+        two.warm_up().result(timeout=60)
+        slow = [
+            two.submit(GrammarSpec.json_schema({"type": "object", "properties": {
+                f"{prefix}{i}": {"type": "string"} for i in range(2000)}}))
+            for prefix in ("a", "b")
+        ]  # fmt: skip
+        for pending in slow:
+            result = pending.result(timeout=30)
+            assert isinstance(result, GrammarError) and result.code is GrammarErrorCode.TIMEOUT
+        start = time.monotonic()
+        fresh = two.submit(GrammarSpec.json_schema(OBJECT)).result(timeout=30)
+        assert isinstance(fresh, CompiledGrammar), fresh
+        assert time.monotonic() - start < 2.0
+    finally:
+        two.close()
+
+
+def test_a_failed_schema_is_refused_at_once_however_its_text_is_varied(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    one = make_compiler(tokenizer, num_workers=1, limits=GrammarLimits(compile_timeout_s=0.3))
+    try:
+        properties = {f"f{i}": {"type": "string"} for i in range(1000)}
+        first = one.compile(GrammarSpec.json_schema({"type": "object", "properties": properties}))
+        assert isinstance(first, GrammarError) and first.code is GrammarErrorCode.TIMEOUT
+        reordered = dict(reversed(list(properties.items())))
+        varied = {"properties": reordered, "description": "another text", "type": "object"}
+        again = one.submit(GrammarSpec.json_schema(varied))
+        assert again.done() and again.result() == first
+    finally:
+        one.close()
+
+
+def test_one_principal_has_at_most_its_cap_of_compiles_in_flight(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    capped = make_compiler(
+        tokenizer, max_pending_per_principal=1, limits=GrammarLimits(compile_timeout_s=0.3)
+    )
+    try:
+        running = capped.submit(SLOW, "alice")
+        refused = capped.submit(GrammarSpec.json_schema(OBJECT), "alice").result(timeout=1)
+        assert isinstance(refused, GrammarError) and refused.code is GrammarErrorCode.BUSY
+        other = capped.submit(GrammarSpec.json_schema(OBJECT), "bob").result(timeout=30)
+        assert isinstance(other, CompiledGrammar)
+        assert isinstance(running.result(timeout=30), GrammarError)
+        later = capped.submit(GrammarSpec.regex("[0-9]+"), "alice").result(timeout=30)
+        assert isinstance(later, CompiledGrammar)  # her slot is free again
+        # every request of a keyless gateway is `anonymous`: bounded by max_pending only
+        anonymous = [capped.submit(GrammarSpec.regex(f"[a-{c}]+")) for c in "bcd"]
+        assert all(isinstance(f.result(timeout=30), CompiledGrammar) for f in anonymous)
+    finally:
+        capped.close()
 
 
 def test_compiles_beyond_the_pending_bound_or_queued_too_long_are_busy(
@@ -353,3 +432,27 @@ def test_a_tokenizer_xgrammar_cannot_read_fails_the_compile_instead_of_hanging()
         assert unreadable.num_pending == 0
     finally:
         unreadable.close()
+
+
+def test_a_script_without_a_main_guard_compiles_without_running_again(tmp_path: Path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from backends.torch.testing.tiny_models import tiny_tokenizer\n"
+        "from schedulers.structured_output import CompiledGrammar, GrammarCompiler, GrammarSpec\n"
+        "print('script ran', flush=True)\n"
+        "tok = tiny_tokenizer()\n"
+        "compiler = GrammarCompiler(tok, stop_token_ids=[tok.eos_token_id])\n"
+        "result = compiler.compile(GrammarSpec.regex('[0-9]+'))\n"
+        "print(isinstance(result, CompiledGrammar), flush=True)\n"
+        "compiler.close()\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.split() == ["script", "ran", "True"], done.stdout + done.stderr

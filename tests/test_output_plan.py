@@ -55,7 +55,9 @@ class StandIn:
         self.result = result
         self.submitted: list[GrammarSpec] = []
 
-    def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar | GrammarError]:
+    def submit(
+        self, spec: GrammarSpec, principal: str = "anonymous"
+    ) -> Future[CompiledGrammar | GrammarError]:
         self.submitted.append(spec)
         future: Future[CompiledGrammar | GrammarError] = Future()
         future.set_result(self.result)

@@ -78,10 +78,22 @@ def context_length_exceeded(message: str, param: str = "messages") -> APIError:
     return APIError(400, message, INVALID_REQUEST, param, "context_length_exceeded")
 
 
+#: most characters of a client's value echoed in an error or a log line
+MAX_ECHOED_CHARS = 256
+
+
+def shown(value: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """A client's value as errors and logs may echo it: cut to `limit` characters, saying how
+    long it was (a 1 MB `model` must not come back whole, nor fill the access log)."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}... ({len(value)} characters)"
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
         404,
-        f"The model `{model}` does not exist or you do not have access to it.",
+        f"The model `{shown(model)}` does not exist or you do not have access to it.",
         INVALID_REQUEST,
         "model",
         "model_not_found",

@@ -53,7 +53,7 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         check_stream_options(request)
         ctx.scheduler = runtime.scheduler
         plan = await self.plan(runtime, request, ctx, services)
-        pending = start_compile(runtime.grammar_compiler, plan)
+        pending = start_compile(runtime.grammar_compiler, plan, ctx.principal)
         prompts = await self.prompts(runtime, request, ctx, plan)
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         requested, requested_param = self.requested_max_tokens(request)

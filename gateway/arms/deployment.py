@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.endpoint import Endpoint, Reply
-from gateway.api.errors import PERMISSION, APIError, invalid, model_not_found, unavailable
+from gateway.api.errors import PERMISSION, APIError, invalid, model_not_found, shown, unavailable
 from gateway.arms.arm import Arm
 from gateway.arms.choice import ARM_HEADER, choose_by_weight, draw_point
 from gateway.arms.shadow import ShadowCopy, ShadowMirror
@@ -97,7 +97,7 @@ class Deployment:
         shown = [a for a in self.arms if pinned_by is None or may_pin(a, pinned_by)]
         known = ", ".join(a.name for a in shown)
         raise invalid(
-            f"The model `{self.name}` has no arm named `{name}`; its arms are: {known}.",
+            f"The model `{self.name}` has no arm named `{shown(name)}`; its arms are: {known}.",
             param=ARM_HEADER,
             code="arm_not_found",
         )

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from backends.upstream import UpstreamClient, UpstreamConfig, UpstreamError
+from backends.upstream.config import display_url
 from gateway.api.endpoint import Endpoint, Reply
 from gateway.api.errors import APIError
 from gateway.api.payload_stream import PayloadStream
@@ -53,7 +54,8 @@ class UpstreamArm(Arm):
             await self._client.close()
 
     def info(self, model: str) -> ArmInfo:
-        urls = ",".join(sorted(url.rstrip("/") for url in self.config.base_urls))
+        # NOTE: display URLs: a label must not show userinfo or an `api-key` query
+        urls = ",".join(sorted(display_url(url).rstrip("/") for url in self.config.base_urls))
         return ArmInfo(model, self.name, self.kind, upstream_device_group(urls))
 
     @property

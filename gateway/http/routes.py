@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import carousel_version
 from gateway.api.endpoint import Endpoint
-from gateway.api.errors import APIError, error_body, from_validation_error, invalid
+from gateway.api.errors import APIError, error_body, from_validation_error, invalid, shown
 from gateway.api.outputs.plan import problem_error
 from gateway.api.protocol import ModelCard, ModelList
 from gateway.api.responses.store import previous_not_found
@@ -84,7 +84,8 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
     try:
         body = await read_json(request)
         parsed = parse(endpoint.request_model, body)
-        ctx.model, ctx.stream, ctx.raw_body = parsed.model, bool(parsed.stream), body
+        # NOTE: cut: the access log line, metrics and errors show it (a 1 MB model, logged)
+        ctx.model, ctx.stream, ctx.raw_body = shown(parsed.model), bool(parsed.stream), body
         ctx.deadline_ms = deadline_ms(request.headers.get(DEADLINE_HEADER))
         deployment = state.deployments.get(parsed.model)
         continued = await _owner_arm(state, deployment, parsed, principal.name)

@@ -7,8 +7,6 @@ served `model` and the `arm` that served it.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -104,8 +102,10 @@ class ArmInfo:
 
 
 def local_device_group() -> str:
-    """The group of every local arm of this process: they share its one device thread."""
-    return f"local:{socket.gethostname()}:{os.getpid()}"
+    """The group of every local arm of this process: they share its one device thread.
+
+    NOTE: no hostname or pid: a /metrics scrape is one process, and labels are public."""
+    return "local"
 
 
 def upstream_device_group(base_url: str) -> str:

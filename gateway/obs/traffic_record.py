@@ -16,8 +16,10 @@ A line (format version 1; docs/ab-testing.md has the full description)::
 
 `t` is the arrival in seconds after the recorder started (monotonic clock), `ts` the same
 instant in Unix time. Lines are written when requests finish, so they are not in arrival
-order. Headers are never recorded, and keys that name credentials (`api_key`,
-`authorization`, ...) are removed from the body at any depth, redacted or not.
+order. Headers are never recorded, and keys that may name credentials (any whose name
+contains `key`, `token`, `secret`, `password` or `authorization`, other than the known
+request parameters such as `max_tokens`) are removed from the body at any depth, redacted or
+not. The file is created readable by its owner only (0600).
 
 Redaction (`redact=True`) keeps the parameters and replaces every piece of text by its length:
 a string becomes `{"redacted_chars": N}`, a prompt of token ids `{"redacted_tokens": N}`.
@@ -34,6 +36,7 @@ import contextlib
 import json
 import os
 import queue
+import stat
 import threading
 import time
 import uuid
@@ -63,10 +66,12 @@ PARAMETERS = frozenset(
 )  # fmt: skip
 #: string fields kept inside messages and input items: structure, not content
 STRUCTURE_KEYS = frozenset({"role", "type", "id", "tool_call_id", "call_id", "status"})
-#: never recorded, at any depth, redacted or not (compared lower-case)
-SECRET_KEYS = frozenset(
-    {"api_key", "apikey", "api-key", "x-api-key", "authorization", "openai_api_key", "password"}
-)
+#: a key whose lower-cased name contains one of these is never recorded, at any depth
+SECRET_PATTERNS = ("key", "token", "secret", "password", "authorization")
+#: names that match a pattern but are request parameters or counts, not credentials
+NOT_SECRET = PARAMETERS | {
+    "prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens", "reasoning_tokens",
+}  # fmt: skip
 _STOP = object()
 _RETRY_S = 1.0
 _BATCH = 512
@@ -96,7 +101,8 @@ class TrafficEntry:
 
 
 def _is_secret(key: str) -> bool:
-    return key.lower() in SECRET_KEYS
+    name = key.lower()
+    return name not in NOT_SECRET and any(pattern in name for pattern in SECRET_PATTERNS)
 
 
 def scrub(value: Any) -> Any:
@@ -279,7 +285,12 @@ class TrafficRecorder:
         self._file.flush()
 
     def _open(self) -> None:
-        self._file = open(self.path, "ab")  # noqa: SIM115 (held open across writes)
+        # NOTE: created 0600 (prompts and outputs are private); an existing file is narrowed
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):  # not ours, or not a regular file (/dev/full)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.fchmod(fd, 0o600)
+        self._file = os.fdopen(fd, "ab")
         try:
             self._size = os.fstat(self._file.fileno()).st_size
         except OSError:

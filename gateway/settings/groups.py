@@ -161,6 +161,10 @@ class EngineSettings(BaseModel):
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="400 above this many prompt tokens (default: the context)"
     )
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="400 grammar_compile_timeout for an output grammar (schema, "
+        "tools) still compiling after this many seconds; its compile process is killed",
+    )  # fmt: skip
     tensor_parallel_size: int = Field(
         1, ge=1, description="torch: split the model over this many ranks (docs/parallelism.md)",
         json_schema_extra=torch_only(),
@@ -213,6 +217,10 @@ class ServerSettings(BaseModel):
         10.0, ge=0, description="on SIGTERM, let requests in flight finish this long"
     )
     metrics_open: bool = Field(True, description="serve /metrics without an API key")
+    metrics_require_key: bool = Field(
+        False, description="require an API key on /metrics too (needs api_keys; overrides "
+        "metrics_open)",
+    )  # fmt: skip
     log_level: str = Field("info", description="debug, info, warning, error")
     log_prompts: bool = Field(False, description="log prompt text (off by default)")
     log_format: Literal["auto", "text", "json"] = Field(

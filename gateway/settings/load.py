@@ -130,6 +130,8 @@ class Settings(
             message = unhonoured_message(settings)
             if message:
                 raise ValueError(message)
+        if self.metrics_require_key and not self.key_principals():
+            raise ValueError("metrics_require_key needs API keys: no key could open /metrics")
         return self
 
     @model_validator(mode="after")

@@ -1,20 +1,25 @@
-"""Compile `GrammarSpec`s with xgrammar on a bounded worker pool, off the engine thread.
+"""Compile `GrammarSpec`s with xgrammar on a bounded pool of killable child processes.
 
-`GrammarCompiler.submit(spec)` never blocks and never raises: it returns a future that
-resolves to a `CompiledGrammar` or a `GrammarError`. Results are cached by spec (an LRU
-bounded in bytes); failures are cached too, so a schema that timed out is refused at once
-the next time instead of occupying a worker again. `check_spec` runs on the worker too, within
+`GrammarCompiler.submit(spec, principal)` never blocks and never raises: it returns a future
+that resolves to a `CompiledGrammar` or a `GrammarError`. Results are cached by spec (an LRU
+bounded in bytes); failures are cached by the spec's normalised form (canonical JSON without
+annotations), so a schema that timed out is refused at once the next time, however its text
+is varied, instead of occupying a worker again. `check_spec` runs in the child too, within
 the time limit, and its errors come back through the future.
 
-Bounds (a pathological schema never stalls the engine or other requests):
-- a compile that runs past `limits.compile_timeout_s` (counted from when a worker starts
-  it) resolves to `TIMEOUT` at the deadline. xgrammar cannot be interrupted, so its worker
-  stays busy until the compile ends, and it still counts as pending;
-- at most `max_pending` compiles are queued or running (overrunning ones included); more
-  resolve to `BUSY` at once, and one that waited `queue_timeout_s` for a worker too;
+Bounds (a pathological schema never stalls the engine, other requests or the shutdown):
+- each of `num_workers` threads drives one child process (compile_process.py); a compile
+  that runs past `limits.compile_timeout_s` (counted from when its child starts it)
+  resolves to `TIMEOUT` and its child is killed, so the worker is free again at once and
+  `close()` leaves nothing running;
+- at most `max_pending` compiles are queued or running, and at most `max_pending_per_principal`
+  of one named principal's (an API key's); more resolve to `BUSY` at once, and one that waited
+  `queue_timeout_s` for a worker too;
 - a compiled grammar over `limits.max_grammar_bytes` resolves to `TOO_LARGE`.
-xgrammar releases the GIL while it compiles and fills masks (measured: a 150 ms compile
-stalls the main thread by < 7 ms), so compiles do not slow the engine thread's Python.
+The compiled grammar crosses back as xgrammar's JSON serialisation, rebuilt against this
+process's `TokenizerInfo`; one over `MAX_SERIALIZED_GRAMMAR_BYTES` is compiled again by the
+worker thread instead (serialising it would cost more than compiling it; the child's run
+showed it ends within the limit).
 """
 
 from __future__ import annotations
@@ -23,17 +28,21 @@ import contextlib
 import enum
 import heapq
 import itertools
-import json
-import re
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from schedulers.structured_output.schema_support import for_xgrammar
+from schedulers.structured_output.compile_process import (
+    CompiledText,
+    CompileJob,
+    CompileProcess,
+    compile_message,
+    compile_spec,
+)
 from schedulers.structured_output.spec import (
     GrammarError,
     GrammarErrorCode,
@@ -43,9 +52,10 @@ from schedulers.structured_output.spec import (
     check_spec,
 )
 
-#: failures remembered (by spec) so they are refused again without recompiling
+#: failures remembered (by normalised spec) so they are refused again without recompiling
 MAX_REMEMBERED_FAILURES = 1024
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: )?")
+#: who a compile is for when the caller does not say (RequestContext.principal's default)
+ANONYMOUS = "anonymous"
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +72,7 @@ class CompiledGrammar:
 class _Job:
     spec: GrammarSpec
     future: Future[CompiledGrammar | GrammarError]
+    principal: str = ANONYMOUS
     started: bool = False
 
 
@@ -138,7 +149,8 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer on `num_workers` threads, with a cache and limits.
+    """Compiles specs for one tokenizer on `num_workers` child processes, with a cache and
+    limits.
 
     `vocab_size` is the model's logits width (it may exceed the tokenizer's: padded ids are
     never allowed); bitmasks have `bitmask_width` int32 words per row. `stop_token_ids` are
@@ -156,6 +168,7 @@ class GrammarCompiler:
         limits: GrammarLimits | None = None,
         num_workers: int = 2,
         max_pending: int = 64,
+        max_pending_per_principal: int = 4,
         queue_timeout_s: float | None = None,
         cache_bytes: int = 256 << 20,
         any_whitespace: bool = False,
@@ -163,6 +176,7 @@ class GrammarCompiler:
         self.limits = limits or GrammarLimits()
         self.vocab_size = vocab_size or tokenizer_vocab_size(tokenizer)
         self.max_pending = max_pending
+        self.max_pending_per_principal = max_pending_per_principal
         self.queue_timeout_s = (
             self.limits.compile_timeout_s if queue_timeout_s is None else queue_timeout_s
         )
@@ -175,11 +189,13 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._cached_bytes = 0
-        self._failures: OrderedDict[GrammarSpec, GrammarError] = OrderedDict()
+        self._failures: OrderedDict[str, GrammarError] = OrderedDict()
         self._inflight: dict[GrammarSpec, _Job] = {}
         self._num_pending = 0
+        self._pending_by_principal: Counter[str] = Counter()
         self._closed = False
         self._local = threading.local()
+        self._processes: set[CompileProcess] = set()
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="grammar-compile")
         self._watchdog = _Watchdog()
 
@@ -190,18 +206,29 @@ class GrammarCompiler:
 
     @property
     def num_pending(self) -> int:
-        """Compiles queued or running, overrunning ones included."""
+        """Compiles queued or running."""
         return self._num_pending
 
     @property
     def cached_bytes(self) -> int:
         return self._cached_bytes
 
-    def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar | GrammarError]:
+    @property
+    def process_ids(self) -> list[int]:
+        """The pids of the compile processes alive now (for tests and operators)."""
+        with self._lock:
+            return [p.pid for p in self._processes if p.pid is not None]
+
+    def submit(
+        self, spec: GrammarSpec, principal: str = ANONYMOUS
+    ) -> Future[CompiledGrammar | GrammarError]:
         """A future of `spec` compiled, or of why it cannot be; never blocks, never raises.
 
-        NOTE: `check_spec` runs on the worker (validating a large schema against its
-        meta-schema takes ~0.1 s per 10 KB), so its errors come back through the future too.
+        `principal` is who asked (RequestContext.principal): one principal has at most
+        `max_pending_per_principal` compiles queued or running (`anonymous`, every request
+        of a gateway without API keys, is bounded by `max_pending` only).
+        NOTE: `check_spec` runs in the compile process (validating a large schema against
+        its meta-schema takes ~0.1 s per 10 KB), so its errors come back through the future.
         """
         if len(spec.text) > self.limits.max_spec_bytes:  # chars <= bytes: a cheap first cut
             problem = check_spec(spec, self.limits)
@@ -212,7 +239,7 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(spec)
                 return _resolved(cached)
-            failure = self._failures.get(spec)
+            failure = self._failures.get(spec.normalized)
             if failure is not None:
                 return _resolved(failure)
             job = self._inflight.get(spec)
@@ -222,9 +249,17 @@ class GrammarCompiler:
                 return _resolved(_busy("it is shutting down"))
             if self._num_pending >= self.max_pending:
                 return _resolved(_busy(f"{self._num_pending} grammars are already compiling"))
-            job = _Job(spec, Future())
+            # NOTE: not `anonymous`: without API keys every request is it (max_pending
+            # bounds them all), and one key holder cannot starve another
+            capped = principal != ANONYMOUS
+            if capped and self._pending_by_principal[principal] >= self.max_pending_per_principal:
+                return _resolved(
+                    _busy(f"this key already has {self.max_pending_per_principal} compiling")
+                )
+            job = _Job(spec, Future(), principal)
             self._inflight[spec] = job
             self._num_pending += 1
+            self._pending_by_principal[principal] += 1
         self._watchdog.call_at(
             time.monotonic() + self.queue_timeout_s, lambda: self._expire_queued(job)
         )
@@ -237,65 +272,108 @@ class GrammarCompiler:
         return self.submit(spec).result()
 
     def warm_up(self) -> Future[None]:
-        """Build the tokenizer info on a worker now (it takes ~0.2-0.4 s), not on first use."""
-        return self._pool.submit(self._tokenizer_info, Vocabulary.JSON)
+        """Build the JSON tokenizer info and start a compile process on a worker now (they
+        take ~0.2-3 s), not on first use."""
+        return self._pool.submit(self._warm_up)
 
     def close(self) -> None:
-        """Stop the workers (running compiles finish in the background) and the watchdog;
-        every compile still pending resolves to `BUSY`, and so does any later submit."""
+        """Stop the workers and kill their compile processes (nothing keeps running); every
+        compile still pending resolves to `BUSY`, and so does any later submit."""
         with self._lock:
             self._closed = True
             jobs, self._inflight = list(self._inflight.values()), {}
             for job in jobs:
                 if not job.future.done():
                     job.future.set_result(_busy("it is shutting down"))
+            processes = list(self._processes)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()
         self._watchdog.stop()
 
     # -- workers ---------------------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        self._tokenizer_info(Vocabulary.JSON)
+        self._thread_process()
+
     def _run(self, job: _Job) -> None:
         with self._lock:
-            if job.future.done():  # waited too long in the queue: already answered BUSY
+            if job.future.done():  # waited too long in the queue, or closed: answered
                 self._finish(job)
                 return
             job.started = True
-        result: CompiledGrammar | GrammarError | None = None
-        try:  # the tokenizer info (built on first use) does not count against the deadline
-            compiler = self._thread_compiler(_vocabulary(job.spec, self.any_whitespace))
-        except Exception as exc:
-            result = GrammarError(GrammarErrorCode.COMPILE, _compile_message(exc))
-        self._watchdog.call_at(
-            time.monotonic() + self.limits.compile_timeout_s, lambda: self._expire_running(job)
-        )
-        start = time.perf_counter()
         try:
-            if result is None:
-                result = check_spec(job.spec, self.limits)
-            if result is None:
-                handle = _compile(compiler, job.spec, self.any_whitespace)
-                result = CompiledGrammar(
-                    job.spec, handle, int(handle.memory_size_bytes), time.perf_counter() - start
-                )
-        except Exception as exc:  # xgrammar's RuntimeError/ValueError name the problem
-            result = GrammarError(GrammarErrorCode.COMPILE, _compile_message(exc))
-        limit = self.limits.max_grammar_bytes
-        if isinstance(result, CompiledGrammar) and result.memory_bytes > limit:
-            result = GrammarError(
-                GrammarErrorCode.TOO_LARGE,
-                f"The compiled grammar takes {result.memory_bytes >> 20} MiB; the limit is "
-                f"{limit >> 20} MiB.",
-            )
+            result = self._compile(job)
+        except Exception as exc:  # the tokenizer info failed, or the child died
+            result = GrammarError(GrammarErrorCode.COMPILE, compile_message(exc))
         with self._lock:
             self._finish(job)
-            if job.future.done():  # the deadline passed first: the result is dropped
+            if job.future.done():  # closed meanwhile: already answered
                 return
             self._remember(job.spec, result)
             job.future.set_result(result)
 
+    def _compile(self, job: _Job) -> CompiledGrammar | GrammarError:
+        """Compile `job` in this worker's child process, killing it past the deadline.
+        The tokenizer info (built on first use) does not count against the deadline."""
+        vocabulary = _vocabulary(job.spec, self.any_whitespace)
+        info = self._tokenizer_info(vocabulary)
+        process = self._thread_process()
+        request = CompileJob(job.spec, vocabulary.value, self.any_whitespace, self.limits)
+        reply = process.compile(request, info, self.limits.compile_timeout_s)
+        if reply is None:
+            self._replace_process(process)
+            return GrammarError(
+                GrammarErrorCode.TIMEOUT,
+                f"Compiling the {job.spec.kind} took longer than the "
+                f"{self.limits.compile_timeout_s:g} s limit; simplify it.",
+            )
+        if isinstance(reply, GrammarError):
+            return reply
+        if reply.serialized is None:  # large: compiling again (known to end) beats copying
+            handle = compile_spec(self._thread_compiler(vocabulary), job.spec, self.any_whitespace)
+            return CompiledGrammar(job.spec, handle, reply.memory_bytes, reply.compile_s)
+        return _rebuilt(job.spec, reply, info)
+
+    def _thread_compiler(self, vocabulary: Vocabulary) -> Any:
+        """This worker's own xgrammar compiler for `vocabulary` (its cache off: ours is)."""
+        compilers: dict[Vocabulary, Any] = self._local.__dict__.setdefault("compilers", {})
+        compiler = compilers.get(vocabulary)
+        if compiler is None:
+            import xgrammar as xgr
+
+            info = self._tokenizer_info(vocabulary)
+            compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            compilers[vocabulary] = compiler
+        return compiler
+
+    def _thread_process(self) -> CompileProcess:
+        """This worker's compile process (started on first use, or after a kill)."""
+        process: CompileProcess | None = getattr(self._local, "process", None)
+        if process is None:
+            process = CompileProcess()
+            with self._lock:
+                closed = self._closed
+                self._processes.add(process)
+            if closed:  # close() ran while it started: it would be left alive
+                process.kill()
+            self._local.process = process
+        return process
+
+    def _replace_process(self, process: CompileProcess) -> None:
+        """Kill an overrunning compile's process; the worker's next job starts a new one."""
+        process.kill()
+        with self._lock:
+            self._processes.discard(process)
+        self._local.process = None
+
     def _finish(self, job: _Job) -> None:
         """Book-keeping when a job leaves its worker (call with the lock held)."""
         self._num_pending -= 1
+        self._pending_by_principal[job.principal] -= 1
+        if self._pending_by_principal[job.principal] <= 0:
+            del self._pending_by_principal[job.principal]
         if self._inflight.get(job.spec) is job:
             del self._inflight[job.spec]
 
@@ -307,25 +385,11 @@ class GrammarCompiler:
                 del self._inflight[job.spec]
             job.future.set_result(_busy(f"no worker was free for {self.queue_timeout_s:g} s"))
 
-    def _expire_running(self, job: _Job) -> None:
-        with self._lock:
-            if job.future.done():
-                return
-            if self._inflight.get(job.spec) is job:
-                del self._inflight[job.spec]
-            error = GrammarError(
-                GrammarErrorCode.TIMEOUT,
-                f"Compiling the {job.spec.kind} took longer than the "
-                f"{self.limits.compile_timeout_s:g} s limit; simplify it.",
-            )
-            self._remember(job.spec, error)
-            job.future.set_result(error)
-
     def _remember(self, spec: GrammarSpec, result: CompiledGrammar | GrammarError) -> None:
         """Cache a result (call with the lock held): grammars within `cache_bytes` (LRU),
-        failures by count."""
+        failures by count, under the spec's normalised form."""
         if isinstance(result, GrammarError):
-            self._failures[spec] = result
+            self._failures[spec.normalized] = result
             while len(self._failures) > MAX_REMEMBERED_FAILURES:
                 self._failures.popitem(last=False)
             return
@@ -347,19 +411,14 @@ class GrammarCompiler:
                 self._infos[vocabulary] = info
             return info
 
-    def _thread_compiler(self, vocabulary: Vocabulary) -> Any:
-        """This worker's own xgrammar compiler for `vocabulary` (its cache off: ours is the
-        cache)."""
-        compilers: dict[Vocabulary, Any] = self._local.__dict__.setdefault("compilers", {})
-        compiler = compilers.get(vocabulary)
-        if compiler is None:
-            import xgrammar as xgr
 
-            compiler = xgr.GrammarCompiler(
-                self._tokenizer_info(vocabulary), max_threads=1, cache_enabled=False
-            )
-            compilers[vocabulary] = compiler
-        return compiler
+def _rebuilt(spec: GrammarSpec, reply: CompiledText, info: Any) -> CompiledGrammar:
+    """The child's compiled grammar as an xgrammar object of this process."""
+    import xgrammar as xgr
+
+    assert reply.serialized is not None
+    handle = xgr.CompiledGrammar.deserialize_json(reply.serialized, info)
+    return CompiledGrammar(spec, handle, reply.memory_bytes, reply.compile_s)
 
 
 def _vocabulary(spec: GrammarSpec, any_whitespace: bool) -> Vocabulary:
@@ -368,29 +427,6 @@ def _vocabulary(spec: GrammarSpec, any_whitespace: bool) -> Vocabulary:
     if spec.kind is GrammarKind.STRUCTURAL_TAG:
         return Vocabulary.TAGS
     return Vocabulary.ALL
-
-
-def _compile(compiler: Any, spec: GrammarSpec, any_whitespace: bool) -> Any:
-    """The xgrammar CompiledGrammar of `spec` (raises what xgrammar raises)."""
-    if spec.kind is GrammarKind.JSON_SCHEMA or spec.kind is GrammarKind.JSON_OBJECT:
-        schema = spec.text if spec.kind is GrammarKind.JSON_SCHEMA else '{"type":"object"}'
-        if any_whitespace:  # raw tabs are legal between tokens: rewrite the buggy rule
-            schema = json.dumps(for_xgrammar(json.loads(schema)))
-        return compiler.compile_json_schema(schema, any_whitespace=any_whitespace, strict_mode=True)
-    if spec.kind is GrammarKind.REGEX:
-        return compiler.compile_regex(spec.text)
-    if spec.kind is GrammarKind.CHOICE:
-        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices())
-        return compiler.compile_grammar(f"root ::= {alternatives}")
-    if spec.kind is GrammarKind.GRAMMAR:
-        return compiler.compile_grammar(spec.text)
-    return compiler.compile_structural_tag(spec.text)
-
-
-def _compile_message(exc: Exception) -> str:
-    """xgrammar's message without its C++ source prefix, on one line."""
-    lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-    return _CPP_PREFIX.sub("", lines[0]).strip()
 
 
 def _resolved(result: CompiledGrammar | GrammarError) -> Future[CompiledGrammar | GrammarError]:

@@ -14,11 +14,20 @@ name and location, instead of being dropped.
 One more xgrammar bug is worked around rather than refused: a string with `minLength` /
 `maxLength` compiles to a rule that admits raw control characters (invalid JSON), so
 `for_xgrammar` rewrites it to the equivalent `pattern` `^.{min,max}$`, whose rule is exact.
+
+Every pass here is linear in the schema's size (the `oneOf` check groups branches by type and
+by their `const` values instead of comparing every pair, except in small lists), and each
+can run under a time budget (`schema_budget`): past it, `SchemaBudgetExceeded` ends the work
+wherever it is, so a request-controlled schema costs its request a bounded time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+import json
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -34,6 +43,47 @@ KNOWN_DRAFTS = {
 }
 #: deepest nesting of subschemas accepted (OpenAI allows 10 levels of objects)
 MAX_SCHEMA_DEPTH = 64
+#: `oneOf` lists no longer than this may be checked pair by pair when grouping cannot tell
+MAX_PAIRWISE_BRANCHES = 16
+#: annotations: they change nothing a grammar accepts (dropped from a spec's normalised form)
+ANNOTATION_KEYWORDS = (
+    "description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+)  # fmt: skip
+
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "schema_deadline", default=None
+)
+
+
+class SchemaBudgetExceeded(Exception):
+    """The schema work of this context ran past its `schema_budget`."""
+
+    budget_s: float = 0.0
+
+    def __str__(self) -> str:
+        return f"Checking the schemas took longer than the {self.budget_s:g} s budget."
+
+
+@contextlib.contextmanager
+def schema_budget(seconds: float) -> Iterator[None]:
+    """Bound the schema work done in this context (this thread) to `seconds` of wall time:
+    past it, the passes here raise `SchemaBudgetExceeded`."""
+    token = _deadline.set(time.monotonic() + seconds)
+    try:
+        yield
+    except SchemaBudgetExceeded as exc:
+        exc.budget_s = seconds
+        raise
+    finally:
+        _deadline.reset(token)
+
+
+def check_budget() -> None:
+    """Raise `SchemaBudgetExceeded` when this context's budget is spent (cheap: call often)."""
+    deadline = _deadline.get()
+    if deadline is not None and time.monotonic() > deadline:
+        raise SchemaBudgetExceeded
+
 
 _NEVER_ENFORCED = {
     "not": "'not'",
@@ -124,6 +174,19 @@ def for_xgrammar(schema: Any) -> Any:
     return rewritten
 
 
+def without_annotations(schema: Any, copy: bool = True) -> Any:
+    """`schema` without the annotation keywords of its subschemas (property names are kept)."""
+    stripped = _deepcopy(schema) if copy else schema
+    for _, node, _ in _subschemas(stripped):
+        for key in ANNOTATION_KEYWORDS:
+            node.pop(key, None)
+    return stripped
+
+
+def _deepcopy(value: Any) -> Any:
+    return copy.deepcopy(value)
+
+
 def regex_problem(pattern: str) -> str | None:
     """What in `pattern` xgrammar's regex engine does not implement, or None."""
     in_class = False
@@ -165,6 +228,7 @@ def _subschemas(schema: Any) -> Iterator[tuple[str, dict[str, Any], int]]:
         pointer, node, depth = stack.pop()
         if not isinstance(node, dict):
             continue
+        check_budget()
         yield pointer, node, depth
         for key in _SCHEMA_MAPS:
             value = node.get(key)
@@ -248,8 +312,75 @@ def _resolve(schema: Any, root: Any, hops: int = 32) -> Any:
 
 
 def _pairwise_disjoint(branches: list[Any], root: Any) -> bool:
+    """Whether no value matches two branches. Linear: branches of disjoint types never
+    overlap, so only those sharing a type are compared, by their consts or a required
+    discriminating property's consts (hashed); a small group may be compared pair by pair."""
     resolved = [_resolve(b, root) for b in branches]
-    return all(_disjoint(a, b, root) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+    if any(b is False for b in resolved):
+        resolved = [b for b in resolved if b is not False]
+    if not all(isinstance(b, dict) for b in resolved):
+        return len(resolved) <= 1
+    groups: dict[str, list[dict[str, Any]]] = {}
+    if all(_types(b) is not None for b in resolved):
+        for branch in resolved:
+            for kind in {_TYPE_CLASS.get(t, t) for t in _types(branch) or ()}:
+                groups.setdefault(kind, []).append(branch)
+    else:
+        groups[""] = resolved
+    return all(_group_disjoint(group, root) for group in groups.values())
+
+
+_TYPE_CLASS = {"integer": "number"}  # an integer is also a number
+
+
+def _group_disjoint(group: list[dict[str, Any]], root: Any) -> bool:
+    if len(group) <= 1:
+        return True
+    if _distinct_values([_consts(b) for b in group]):
+        return True
+    common = set(group[0].get("required") or ())
+    for branch in group[1:]:
+        check_budget()
+        common &= set(branch.get("required") or ())
+    for name in sorted(common, key=str)[:8]:
+        values = []
+        for branch in group:
+            prop = _resolve((branch.get("properties") or {}).get(name), root)
+            values.append(_consts(prop) if isinstance(prop, dict) else None)
+        if _distinct_values(values):
+            return True
+    if len(group) > MAX_PAIRWISE_BRANCHES:
+        return False
+    return all(_disjoint(a, b, root) for i, a in enumerate(group) for b in group[i + 1 :])
+
+
+def _distinct_values(per_branch: list[list[Any] | None]) -> bool:
+    """Whether every branch lists its values and no value is in two branches."""
+    seen: set[str] = set()
+    for values in per_branch:
+        check_budget()
+        if values is None:
+            return False
+        keys = {_json_key(v) for v in values}
+        if not seen.isdisjoint(keys):
+            return False
+        seen |= keys
+    return True
+
+
+def _json_key(value: Any) -> str:
+    """A hashable key with JSON equality: 1 and 1.0 alike, true and 1 not."""
+    return json.dumps(_integral(value), sort_keys=True)
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
 
 
 def _disjoint(a: Any, b: Any, root: Any) -> bool:

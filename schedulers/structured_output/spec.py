@@ -7,6 +7,7 @@ request's grammar before it queues anything. Compiling is `compiler.py`'s job.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 from schedulers.structured_output.schema_support import (
     json_schema_problem,
     regex_problem,
+    without_annotations,
 )
 
 #: most options a `choice` may list
@@ -108,6 +110,31 @@ class GrammarSpec:
     def structural_tag(cls, tag: Mapping[str, Any] | str) -> GrammarSpec:
         """An xgrammar structural tag (`{"type": "structural_tag", "format": {...}}`)."""
         return cls(GrammarKind.STRUCTURAL_TAG, _canonical_json(tag))
+
+    @functools.cached_property
+    def normalized(self) -> str:
+        """The spec's normalised form: what it constrains, whatever its spelling. JSON kinds
+        as canonical JSON (keys sorted) without annotations (`description`, `title`, ...),
+        other kinds as their text. The compiler remembers failures under it, so varying a
+        failed schema's key order or descriptions does not compile it again.
+
+        NOTE: not the cache key of compiled grammars: key order is the order properties are
+        generated in.
+        """
+        if self.kind not in (GrammarKind.JSON_SCHEMA, GrammarKind.STRUCTURAL_TAG):
+            return f"{self.kind}:{self.text}"
+        try:
+            value = json.loads(self.text)
+        except (ValueError, RecursionError):
+            return f"{self.kind}:{self.text}"
+        if self.kind is GrammarKind.JSON_SCHEMA:
+            value = without_annotations(value)
+        else:
+            for _, schema in _tag_schemas(
+                value.get("format") if isinstance(value, dict) else None, ""
+            ):
+                without_annotations(schema, copy=False)
+        return f"{self.kind}:{json.dumps(value, sort_keys=True, separators=(',', ':'))}"
 
     def choices(self) -> list[str]:
         """The options of a CHOICE spec."""

@@ -12,7 +12,7 @@ from typing import Any
 from gateway.api.chunk_template import TextChunks
 from gateway.api.errors import invalid, unsupported
 from gateway.api.logprobs import chat_logprobs
-from gateway.api.outputs.plan import OutputPlan, chat_plan, problem_error
+from gateway.api.outputs.plan import OutputPlan, chat_plan, has_schemas, off_loop, problem_error
 from gateway.api.outputs.tool_parser import (
     StreamEvent,
     ToolCallStreamParser,
@@ -163,7 +163,7 @@ class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
         ctx: RequestContext,
         services: RequestServices,
     ) -> OutputPlan:
-        return chat_plan(request)
+        return await off_loop(chat_plan, request) if has_schemas(request) else chat_plan(request)
 
     async def prompts(
         self,

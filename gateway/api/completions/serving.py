@@ -10,7 +10,7 @@ from typing import Any
 from gateway.api.chunk_template import TextChunks
 from gateway.api.errors import invalid, unsupported
 from gateway.api.logprobs import completion_logprobs, text_length
-from gateway.api.outputs.plan import OutputPlan, completion_plan
+from gateway.api.outputs.plan import OutputPlan, completion_plan, has_schemas, off_loop
 from gateway.api.pipeline import (
     ChoiceResult,
     EngineRuntime,
@@ -76,6 +76,8 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
         ctx: RequestContext,
         services: RequestServices,
     ) -> OutputPlan:
+        if has_schemas(request):
+            return await off_loop(completion_plan, request)
         return completion_plan(request)
 
     async def prompts(

@@ -1,9 +1,13 @@
 """What a request's output must be, decided before anything is queued: its tools, its
 `tool_choice`, the grammar that constrains it, and whether calls are parsed back out.
 
-    plan = chat_plan(request)                       # 400 naming the param, or a plan
-    pending = start_compile(runtime, plan)          # the arm's GrammarCompiler, off-thread
+    plan = await off_loop(chat_plan, request)       # 400 naming the param, or a plan
+    pending = start_compile(compiler, plan, who)    # the arm's GrammarCompiler, off-thread
     grammar = await finish_compile(pending, plan)   # 400 / 503 before the engine sees it
+
+Checking and analysing schemas costs time a request controls, so `off_loop` runs it on the
+schema threads under a budget (`SCHEMA_CHECK_BUDGET_S`; past it, a 400 `schema_too_complex`):
+the event loop, `/health` and every other request go on meanwhile.
 
 The request-shaping helpers (response_format.py, tool_calls.py) return problems as values;
 here they become OpenAI-shaped errors. A `GrammarError` from the compiler becomes a 400 with
@@ -15,8 +19,8 @@ the `param` the grammar came from (its `code` is the error's: `invalid_grammar`,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +45,13 @@ from schedulers.structured_output import (
     GrammarSpec,
     check_spec,
 )
+from schedulers.structured_output.schema_support import SchemaBudgetExceeded, schema_budget
 
 NO_TOOLS = ToolChoice("none", ())
+#: wall time one request's tool and answer schemas may take to check and analyse
+SCHEMA_CHECK_BUDGET_S = 2.0
+#: the threads schema work runs on (off the event loop; each request within its budget)
+_SCHEMA_THREADS = ThreadPoolExecutor(4, thread_name_prefix="schema-check")
 
 
 @dataclass(frozen=True)
@@ -153,13 +162,52 @@ def completion_plan(request: Any) -> OutputPlan:
     return OutputPlan(spec=answer, spec_param=param)
 
 
+def has_schemas(request: Any) -> bool:
+    """Whether a chat or completions request declares tools or an output format (whose
+    schemas `off_loop` should check)."""
+    return bool(
+        getattr(request, "tools", None)
+        or getattr(request, "response_format", None) is not None
+        or getattr(request, "structured_outputs", None)
+    )
+
+
+async def off_loop(build: Callable[..., OutputPlan], *args: Any) -> OutputPlan:
+    """`build(*args)` (chat_plan, tools_plan, ...) on the schema threads, within
+    `SCHEMA_CHECK_BUDGET_S`: the plan, its errors, or a 400 `schema_too_complex` past it.
+
+    NOTE: the spec's normalised form (the compiler's failure key) is computed there too, so
+    nothing proportional to the schemas runs on the event loop.
+    """
+    budget_s = SCHEMA_CHECK_BUDGET_S
+
+    def run() -> OutputPlan:
+        with schema_budget(budget_s):
+            plan = build(*args)
+            if plan.spec is not None:
+                _ = plan.spec.normalized
+            return plan
+
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_SCHEMA_THREADS, run)
+    except SchemaBudgetExceeded as exc:
+        raise invalid(
+            f"{exc} Simplify the tools' parameters or the output format's schema.",
+            None,
+            "schema_too_complex",
+        ) from None
+
+
 # -- compiling -----------------------------------------------------------------------------
 
 PendingGrammar = Future[CompiledGrammar | GrammarError] | None
 
 
-def start_compile(compiler: GrammarCompiler | None, plan: OutputPlan) -> PendingGrammar:
-    """Submit the plan's grammar to the arm's compiler (None: nothing to compile).
+def start_compile(
+    compiler: GrammarCompiler | None, plan: OutputPlan, principal: str = "anonymous"
+) -> PendingGrammar:
+    """Submit the plan's grammar to the arm's compiler (None: nothing to compile), on behalf
+    of `principal` (whose compiles in flight the compiler caps).
 
     Raises a 400 naming the grammar's param when the arm cannot constrain its output."""
     if plan.spec is None:
@@ -171,7 +219,7 @@ def start_compile(compiler: GrammarCompiler | None, plan: OutputPlan) -> Pending
             plan.spec_param,
             "structured_outputs_unsupported",
         )
-    future: Future[CompiledGrammar | GrammarError] = compiler.submit(plan.spec)
+    future: Future[CompiledGrammar | GrammarError] = compiler.submit(plan.spec, principal)
     return future
 
 

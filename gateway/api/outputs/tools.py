@@ -37,6 +37,9 @@ from schedulers.structured_output import GrammarKind, GrammarSpec, check_spec
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 #: most tools one request may declare (OpenAI's limit)
 MAX_TOOLS = 128
+#: most bytes all of one request's tool `parameters` schemas may take together (compact JSON;
+#: the grammar of the calls, which holds them all, is itself bounded by GrammarLimits)
+MAX_TOOL_SCHEMA_BYTES = 256_000
 _CALL_PREFIX = TOOL_CALL_BEGIN + '\n{"name": "'
 _CALL_ARGUMENTS = '", "arguments": '
 _CALL_SUFFIX = "}\n" + TOOL_CALL_END
@@ -94,6 +97,7 @@ def check_tools(
     if len(tools) > MAX_TOOLS:
         return ParamProblem(param, f"At most {MAX_TOOLS} tools are allowed, got {len(tools)}.")
     out: list[FunctionTool] = []
+    schema_bytes = 0
     for i, tool in enumerate(tools):
         where = f"{param}[{i}]"
         if not isinstance(tool, Mapping):
@@ -111,6 +115,15 @@ def check_tools(
             return checked
         if any(t.name == checked.name for t in out):
             return ParamProblem(f"{where}.function.name", f"Duplicate tool name {checked.name!r}.")
+        if checked.parameters is not None:
+            schema_bytes += len(GrammarSpec.json_schema(checked.parameters).text.encode())
+            if schema_bytes > MAX_TOOL_SCHEMA_BYTES:
+                return ParamProblem(
+                    f"{where}.function.parameters",
+                    f"The tools' parameters schemas take more than {MAX_TOOL_SCHEMA_BYTES} "
+                    "bytes together.",
+                    "grammar_too_large",
+                )
         out.append(checked)
     return out
 

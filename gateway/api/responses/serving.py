@@ -19,7 +19,7 @@ from typing import Any
 
 from gateway.api.chat.serving import chat_prompt
 from gateway.api.errors import APIError
-from gateway.api.outputs.plan import OutputPlan, problem_error, tools_plan
+from gateway.api.outputs.plan import OutputPlan, off_loop, problem_error, tools_plan
 from gateway.api.outputs.tool_parser import StreamEvent, ToolCallStreamParser
 from gateway.api.pipeline import ChoiceResult, EngineRuntime, accept_output, encode
 from gateway.api.problems import ParamProblem
@@ -68,7 +68,8 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
         parts = to_chat(request, history)
         if isinstance(parts, ParamProblem):
             raise problem_error(parts)
-        plan = tools_plan(
+        plan = await off_loop(
+            tools_plan,
             parts.tools,
             parts.tool_choice,
             parts.parallel_tool_calls,
