@@ -49,7 +49,7 @@ def test_metrics_require_key_closes_metrics_and_needs_keys(
         assert httpx.get(f"{server.url}/metrics").status_code == 401
         assert httpx.get(f"{server.url}/metrics", headers=AUTH).status_code == 200
         assert httpx.get(f"{server.url}/health").status_code == 200
-    with pytest.raises(ValidationError, match="metrics_require_key needs api_keys"):
+    with pytest.raises(ValidationError, match="metrics_require_key needs API keys"):
         Settings(backend="sim", metrics_require_key=True)  # type: ignore[call-arg]
     assert KEY not in capfd.readouterr().err
 

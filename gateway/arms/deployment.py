@@ -94,8 +94,8 @@ class Deployment:
                 )
         if arm is not None:
             return arm
-        shown = [a for a in self.arms if pinned_by is None or may_pin(a, pinned_by)]
-        known = ", ".join(a.name for a in shown)
+        listed = [a for a in self.arms if pinned_by is None or may_pin(a, pinned_by)]
+        known = ", ".join(a.name for a in listed)
         raise invalid(
             f"The model `{self.name}` has no arm named `{shown(name)}`; its arms are: {known}.",
             param=ARM_HEADER,
