@@ -31,6 +31,7 @@ from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
 from backends.torch.layers.activation import GateUpSilu
 from backends.torch.layers.layernorm import RMS_NORMS, RMSNorm
+from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.loader import check_architecture
 from backends.torch.packed import (
     GateUp,
@@ -42,21 +43,23 @@ from backends.torch.packed import (
     fusable_gate_up,
     pack_plan,
 )
+from backends.torch.quantization import NONE, quantize_linears, resolve_mode
 
 
 @dataclass(frozen=True)
 class _LayerLinears:
-    """One decoder layer's projections as `Linear`s (prepacked where that pays).
+    """One decoder layer's projections as `Linear`s (prepacked where that pays), each a
+    `QuantLinear` over its `Linear` where `--quantization` gave it a quantised copy.
 
     With `gate_up` (Carousel's kernels, `fuse_mlp`), decode-sized MLP inputs go through it,
     and gate and up keep only their plain weights (larger batches take F.linear anyway).
     """
 
-    qkv: Linear
-    o_proj: Linear
-    gate: Linear
-    up: Linear
-    down: Linear
+    qkv: Linear | QuantLinear
+    o_proj: Linear | QuantLinear
+    gate: Linear | QuantLinear
+    up: Linear | QuantLinear
+    down: Linear | QuantLinear
     gate_up: GateUp | None = None
 
     @classmethod
@@ -163,13 +166,16 @@ class PagedCausalLM:
         plan = plan if config.prepack_weights else None
         self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
         self._plan = plan
-        # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs
-        fuse_mlp = config.fuse_mlp and self.dense_kernels is not None
+        quantization = resolve_mode(hf_model, config)
+        # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs; quantised
+        # gate and up weights run one by one
+        fuse_mlp = config.fuse_mlp and self.dense_kernels is not None and quantization == NONE
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), plan, fuse_mlp=fuse_mlp)
             for layer in self.layers
         ]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
+        self._quantize(hf_model, config, quantization)
         self.kv_cache = kv_cache
         self.attention = create_backend(
             config.attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
@@ -185,6 +191,17 @@ class PagedCausalLM:
             if config.native_layers is not False and all(op.uses_kernels for op in self.rotary)
             else None
         )
+
+    def _quantize(self, hf_model: PreTrainedModel, config: TorchBackendConfig, mode: str) -> None:
+        """Give the linears their quantised copies where `mode` asks (quantization.py)."""
+        ops, head, self.quantization = quantize_linears(
+            hf_model, config, mode, self.linears, self.lm_head_linear
+        )
+        self.linears = [
+            dataclasses.replace(lin, **layer_ops)
+            for lin, layer_ops in zip(self.linears, ops, strict=True)
+        ]
+        self.lm_head_linear = head
 
     def _build_ops(self) -> None:
         """Each layer's ops, their implementations chosen here, once."""
@@ -362,6 +379,7 @@ class PagedCausalLM:
 
         lin, layer = self.linears[index], self.layers[index]
         for linear in (lin.qkv, lin.o_proj, lin.gate, lin.up, lin.down):
+            assert isinstance(linear, Linear), "--compile runs no quantised linears (config.py)"
             ops.register_linear(linear)
         attn = layer.self_attn
         q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None

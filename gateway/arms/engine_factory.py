@@ -59,6 +59,8 @@ def torch_backend_config(settings: Settings) -> Any:
         cpu_kernels=settings.cpu_kernels,
         compile=settings.compile,
         tensor_parallel_size=settings.tensor_parallel_size,
+        quantization=settings.quantization,
+        quantization_max_rows=settings.quantization_max_rows,
     )
 
 

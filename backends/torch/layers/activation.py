@@ -8,7 +8,9 @@ from types import ModuleType
 import torch
 
 from backends.torch.layers.custom_op import CustomOp
-from backends.torch.packed import GateUp, Linear
+from backends.torch.packed import GateUp
+
+LinearOp = Callable[[torch.Tensor], torch.Tensor]  # a `Linear`, or a `QuantLinear` over one
 
 
 class GateUpSilu(CustomOp):
@@ -34,18 +36,18 @@ class GateUpSilu(CustomOp):
         return self.act_is_silu
 
     def __call__(
-        self, x: torch.Tensor, gate: Linear, up: Linear, gate_up: GateUp | None
+        self, x: torch.Tensor, gate: LinearOp, up: LinearOp, gate_up: GateUp | None
     ) -> torch.Tensor:
         out: torch.Tensor = self._forward(x, gate, up, gate_up)
         return out
 
     def forward_native(
-        self, x: torch.Tensor, gate: Linear, up: Linear, gate_up: GateUp | None
+        self, x: torch.Tensor, gate: LinearOp, up: LinearOp, gate_up: GateUp | None
     ) -> torch.Tensor:
         return self.act_fn(gate(x)) * up(x)
 
     def forward_cpu(
-        self, x: torch.Tensor, gate: Linear, up: Linear, gate_up: GateUp | None
+        self, x: torch.Tensor, gate: LinearOp, up: LinearOp, gate_up: GateUp | None
     ) -> torch.Tensor:
         assert self.kernels is not None
         if gate_up is not None and gate_up.takes(x):
