@@ -1,8 +1,10 @@
 """The embedded SmolLM2 GGUF served from its own Q4_1 blocks: the reference is the same blocks
 dequantised (the converted model transformers builds from the file).
 
-In fp32 the int4 kernel and the dequantised weights differ only in rounding, so teacher-forced
-top-1 agreement must be at least 99% and every logit within 0.05 (logits reach about 40).
+In fp32 the int4 kernel and the dequantised weights differ only in rounding; the LM head (the
+tied Q8_0 embedding) is requantised per channel to int8, which moves logits by up to about
+0.6 (they reach about 40). So teacher-forced top-1 agreement must be at least 99% and every
+logit within 1.0.
 In bf16 both paths round far more (bf16 itself agrees with fp32 on about 97% of these
 positions, tests/test_bf16_oracle.py), so the bf16 figures are reported in docs, not bounded.
 """
@@ -18,7 +20,7 @@ from backends.torch.testing.fixed_texts import PASSAGES
 from backends.torch.testing.teacher_forcing import engine_logits, hf_logits, top1_agreement
 
 pytestmark = pytest.mark.real_model
-PREFIX, LENGTH = 8, 40  # tokens per text: the fp32 int4 kernel is slow, keep it under a minute
+PREFIX, LENGTH = 8, 24  # tokens per text: the fp32 int4 kernel is slow, keep it under a minute
 
 
 @pytest.fixture(scope="module")
@@ -47,4 +49,4 @@ def test_int4_decode_agrees_with_the_same_blocks_dequantised(int4_backend: Torch
     reference = hf_logits(int4_backend.hf_model, texts, PREFIX)
     assert top1_agreement(ours, reference) >= 0.99
     worst = max(float((a - b).abs().max()) for a, b in zip(ours, reference, strict=True))
-    assert worst <= 0.05
+    assert worst <= 1.0
