@@ -167,14 +167,15 @@ class PagedCausalLM:
         self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
         self._plan = plan
         quantization = resolve_mode(hf_model, config)
-        # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs; quantised
-        # gate and up weights run one by one
-        fuse_mlp = config.fuse_mlp and self.dense_kernels is not None and quantization == NONE
+        # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs
+        fuse_mlp = config.fuse_mlp and self.dense_kernels is not None
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), plan, fuse_mlp=fuse_mlp)
             for layer in self.layers
         ]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
+        # the full-precision linears: the native decode stack runs steps past the quantised rows
+        self.dense_linears = self.linears
         self._quantize(hf_model, config, quantization)
         self.kv_cache = kv_cache
         self.attention = create_backend(
@@ -186,8 +187,13 @@ class PagedCausalLM:
         # decode-only steps: every layer in one native call (decode_stack.py)
         self.native_layers = (
             NativeDecodeLayers.build(
-                self.dense_kernels, self.linears, self._norms(), self.specs, self.attention, plan
-            )
+                self.dense_kernels,
+                self.dense_linears,
+                self._norms(),
+                self.specs,
+                self.attention,
+                plan,
+            )  # fmt: skip
             if config.native_layers is not False and all(op.uses_kernels for op in self.rotary)
             else None
         )
@@ -197,6 +203,8 @@ class PagedCausalLM:
         ops, head, self.quantization = quantize_linears(
             hf_model, config, mode, self.linears, self.lm_head_linear
         )
+        if mode == NONE:
+            return
         self.linears = [
             dataclasses.replace(lin, **layer_ops)
             for lin, layer_ops in zip(self.linears, ops, strict=True)
@@ -298,7 +306,11 @@ class PagedCausalLM:
     ) -> torch.Tensor:
         """A decode-only step in the native stack's one call; any other step eager."""
         native = self._native_layers
-        if native is not None and native.takes(hidden, meta, self.linears):
+        # NOTE: the stack holds the full-precision weights: steps the quantised ones take
+        # (at most `layer_max_rows` rows) run eager
+        quantised = hidden.shape[0] <= self.quantization.layer_max_rows
+        linears = self.linears if self.quantization.mode == NONE else self.dense_linears
+        if native is not None and not quantised and native.takes(hidden, meta, linears):
             return native(hidden, rope, meta)
         return self._eager_layers(hidden, rope, meta)
 
@@ -352,6 +364,7 @@ class PagedCausalLM:
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), self._plan) for layer in self.layers
         ]
+        self.dense_linears = self.linears
         for layer in self.layers:  # its packed copy is not used by the graph: not kept for it
             forget_gate_up(layer.mlp)
         self.native_layers = None  # it holds those copies too

@@ -8,6 +8,7 @@ from types import ModuleType
 import torch
 
 from backends.torch.layers.custom_op import CustomOp
+from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.packed import GateUp
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # a `Linear`, or a `QuantLinear` over one
@@ -50,7 +51,8 @@ class GateUpSilu(CustomOp):
         self, x: torch.Tensor, gate: LinearOp, up: LinearOp, gate_up: GateUp | None
     ) -> torch.Tensor:
         assert self.kernels is not None
-        if gate_up is not None and gate_up.takes(x):
+        quantised = isinstance(gate, QuantLinear) and gate.takes(x)
+        if gate_up is not None and gate_up.takes(x) and not quantised:
             return gate_up(x)
         out: torch.Tensor = self.kernels.silu_mul(gate(x), up(x))
         return out

@@ -51,6 +51,10 @@ class QuantLinear(CustomOp):
     def bias(self) -> torch.Tensor | None:
         return self.dense.bias
 
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes through the quantised weight (else the full-precision one)."""
+        return self.uses_kernels and x.shape[0] <= self.max_rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._forward(x)
         return out
