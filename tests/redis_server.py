@@ -46,21 +46,8 @@ def redis_server() -> Iterator[str]:
     port = _free_port()
     with tempfile.TemporaryDirectory() as workdir:
         proc = subprocess.Popen(
-            [
-                binary,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                workdir,
-                "--protected-mode",
-                "yes",
-            ],
+            [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+             "--appendonly", "no", "--dir", workdir, "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
