@@ -101,3 +101,18 @@ def test_metrics_report_weight_bytes_per_format() -> None:
     text = GatewayMetrics(arm_gauges=lambda: [gauges]).render().decode()
     assert 'carousel_weight_bytes{arm="a",format="int4",model="m"} 25.0' in text
     assert 'carousel_weight_bytes{arm="a",format="bfloat16",model="m"} 100.0' in text
+
+
+def test_auto_serves_the_gguf_blocks_only_where_carousels_kernels_do_not_run_the_step() -> None:
+    from backends.torch import kernels
+    from backends.torch.loader import gguf_source
+    from backends.torch.quantization import resolve_mode
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    source = gguf_source("default")
+    assert source is not None
+    model.name_or_path = str(source[1])  # as if loaded from the embedded GGUF's conversion
+    assert resolve_mode(model, TorchBackendConfig(cpu_kernels=False)) == "gguf"
+    assert resolve_mode(model, TorchBackendConfig(compile=True, cpu_kernels=False)) == "none"
+    if kernels.computes(torch.bfloat16):
+        assert resolve_mode(model, TorchBackendConfig()) == "none"

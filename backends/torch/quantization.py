@@ -6,7 +6,9 @@
 - `int8`: every linear and the LM head quantised per output channel (weight-only int8);
 - `none`: the full-precision weights only (today's path, and the fp32 HF oracle's);
 - `auto` (the default): `gguf` for a model loaded from a GGUF file, else `none`; also `none`
-  where quantised linears cannot run (tensor parallelism, `--compile`).
+  where quantised linears cannot run (tensor parallelism, `--compile`) and where Carousel's
+  own CPU kernels run the step (`native_stack_serves`: measured faster than torch's int4 op
+  on the Zen 4 at every batch size, so there `gguf` is for A/B runs).
 
 Each quantised linear (layers/quant_linear.py) takes its kernel for steps of at most `R` rows
 and the full-precision weight otherwise. `R` is measured at load (`measure_max_rows`: both
@@ -63,12 +65,29 @@ def from_gguf_file(hf_model: PreTrainedModel, ref: str) -> bool:
     return source is not None and loaded_from == str(source[1])
 
 
+def native_stack_serves(hf_model: PreTrainedModel, config: TorchBackendConfig) -> bool:
+    """Whether Carousel's CPU kernels (and their native decode stack) run this model's steps.
+
+    There `auto` keeps full precision: on the 2-core Zen 4 their bf16 decode step took 23.2 ms
+    at one sequence against 42.7 ms through torch's int4 op (docs/benchmarks/history/).
+    """
+    weight = hf_model.lm_head.weight
+    return (
+        weight.device.type == "cpu"
+        and config.cpu_kernels
+        and config.native_layers is not False
+        and kernels.computes(weight.dtype)
+    )
+
+
 def resolve_mode(hf_model: PreTrainedModel, config: TorchBackendConfig) -> str:
     """`config.quantization` with `auto` settled; raises ValueError for `gguf` on no GGUF."""
     mode = config.quantization
     if mode == AUTO:
         eager_one_rank = config.tensor_parallel_size == 1 and not config.compile
-        return GGUF if eager_one_rank and from_gguf_file(hf_model, config.model) else NONE
+        if not eager_one_rank or native_stack_serves(hf_model, config):
+            return NONE
+        return GGUF if from_gguf_file(hf_model, config.model) else NONE
     if mode == GGUF and not from_gguf_file(hf_model, config.model):
         raise ValueError(
             f"quantization 'gguf' needs a GGUF model (the default or a .gguf file), not "
