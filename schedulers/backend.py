@@ -53,6 +53,11 @@ class Backend(abc.ABC):
         return None
 
     @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident weight bytes per format (`bfloat16`, `int4`, ...); empty: no weights."""
+        return {}
+
+    @property
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
         """Number and size of KV blocks this backend allocated."""

@@ -31,6 +31,7 @@ OTHER_TEXT = {
     "served_model_name": "another-name",
     "scheduler": "static",
     "backend": "sim",
+    "quantization": "none",
 }
 
 

@@ -38,7 +38,7 @@ def test_bf16_engine_agrees_with_hf_bf16_as_well_as_bf16_agrees_with_fp32(
     texts, hf32 = hf_fp32_logits
     backend = TorchBackend.load(
         "default", device="cpu", dtype="bfloat16", kv_cache_gb=0.25, max_model_len=512,
-        **engine_path.kwargs(),
+        quantization="none", **engine_path.kwargs(),
     )  # fmt: skip
     hf16 = hf_logits(backend.hf_model, texts, PREFIX)
     ours = engine_logits(backend, texts, PREFIX)

@@ -148,7 +148,7 @@ def test_default_model_batched_greedy_equals_hf_generate(
 ) -> None:
     backend = TorchBackend.load(
         "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512,
-        **engine_path.kwargs(),
+        quantization="none", **engine_path.kwargs(),
     )  # fmt: skip
     tokenizer = backend.tokenizer
     questions = [
@@ -232,8 +232,9 @@ def test_greedy_outputs_unchanged_beside_constrained_requests(
 @pytest.mark.real_model
 def test_default_model_greedy_unchanged_beside_constrained_requests() -> None:
     backend = TorchBackend.load(
-        "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512
-    )
+        "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512,
+        quantization="none",
+    )  # fmt: skip
     tokenizer = backend.tokenizer
     questions = ["What is the capital of France?", "Name a prime number.", "Hi"]
     rendered = [

@@ -209,6 +209,7 @@ def test_default_model_system_prompt_and_second_turn_equal_hf_generate(
         "default",
         device="cpu",
         dtype="float32",
+        quantization="none",
         **backend_kwargs,  # type: ignore[arg-type]
     )
     tokenizer = backend.tokenizer

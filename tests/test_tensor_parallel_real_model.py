@@ -41,8 +41,9 @@ def tp3() -> Iterator[TensorParallelBackend]:
 @pytest.fixture(scope="module")
 def one_process() -> Iterator[TorchBackend]:
     backend = TorchBackend.load(
-        "default", device="cpu", dtype="float32", kv_cache_gb=0.1, max_model_len=512
-    )
+        "default", device="cpu", dtype="float32", kv_cache_gb=0.1, max_model_len=512,
+        quantization="none",
+    )  # fmt: skip
     yield backend
     backend.close()
 

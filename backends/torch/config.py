@@ -20,6 +20,9 @@ never can (tensor parallelism), False keeps the Python loop (A/B runs). `compile
 part of every layer through one torch.compile'd graph (dense.py). `enforce_eager`: on CUDA,
 no CUDA graphs (cuda_graphs.py; vLLM's flag): every step runs eager.
 `tensor_parallel_size`: split the model over this many ranks (parallel/).
+`quantization` (vLLM's spelling): `auto`, `gguf`, `int8`, `none`; weight-only quantised
+copies of the linears for small steps (quantization.py); `quantization_max_rows`: the most
+rows a step may have to take them (None: measured at load).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 DEFAULT_MODEL = "default"
 DEFAULT_MAX_NUM_SEQS = 256
 AUTO = "auto"
+QUANTIZATIONS = (AUTO, "gguf", "int8", "none")
+QUANTIZED = ("gguf", "int8")  # what `auto` never forces on a backend that cannot run it
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class TorchBackendConfig:
     compile: bool = False
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    quantization: str = AUTO
+    quantization_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -58,6 +65,15 @@ class TorchBackendConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.compile and self.quantization in QUANTIZED:
+            raise ValueError(
+                f"compile cannot honour quantization {self.quantization!r}: the compiled layer "
+                "calls the full-precision linears; drop one of them"
             )
         unhonoured = self.unsupported_by_tensor_parallel()
         if self.tensor_parallel_size > 1 and unhonoured:
@@ -74,4 +90,6 @@ class TorchBackendConfig:
             names.append("compile")
         if self.native_layers:
             names.append("native_layers")
+        if self.quantization in QUANTIZED:
+            names.append("quantization")
         return names

@@ -1,4 +1,5 @@
-"""The one import point of compiled kernels: ops and backends ask here, never a build package.
+"""The one import point of compiled kernels: ops and backends ask here, never a build package
+(and torch's own weight-only int4/int8 ops, at the end: torch ships them, nothing is built).
 
 A compiled-kernel package registers itself with one line of `_PROVIDERS` (device type ->
 module). Where it is missing (deleted, hidden, not importable) or cannot run here, `native()`
@@ -135,3 +136,32 @@ def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | No
     """`bias` as the CPU kernels' `linear` takes it."""
     packed: torch.Tensor | None = _cpu_package().pack_bias(bias, out_features)
     return packed
+
+
+# torch's maintained weight-only kernels (aten ops, no build): int4 with a scale and zero per
+# group along K, int8 with a scale per output channel. Named here so that compiled code keeps
+# one import point; the CPU and CUDA int4 ops take differently packed weights.
+
+
+def pack_int4(qweight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(N, K) codes in [0, 15] (uint8) in the layout `int4_mm` takes on `device`."""
+    if device.type == "cuda":
+        nibbles = (qweight[:, ::2] << 4 | qweight[:, 1::2]).to(torch.uint8)  # (N, K/2)
+        k = qweight.shape[1]
+        inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), inner_k_tiles)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(qweight.to(torch.int32), 1)
+
+
+def int4_mm(
+    x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """`x @ w.T` with w = (q - 8) * scale + zero per group; `scales_and_zeros` (K/g, N, 2)."""
+    if x.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`x @ (qweight * scales[:, None]).T`: int8 (N, K) weights, one scale per output channel."""
+    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)

@@ -8,7 +8,8 @@ A reference is one of:
 - a hub id, handed to `from_pretrained` as is (needs network or a warm HF cache).
 
 GGUF files are de-quantized and saved once as an HF directory (safetensors) under the cache
-dir: `$CAROUSEL_CACHE_DIR`, else `~/.cache/carousel`. Conversion writes into a temp dir and
+dir: `$CAROUSEL_CACHE_DIR`, else `~/.cache/carousel`; their 4-bit blocks, for
+`--quantization gguf`, are cached beside it (`gguf_int4`). Conversion writes into a temp dir and
 renames it into place under an fcntl file lock, so concurrent processes never see half a model.
 """
 
@@ -33,6 +34,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from backends.torch.gguf_int4 import INT4_FILE, Int4Blocks, load_int4, read_int4, save_int4
 from backends.torch.progress import reported_phase
 from schedulers.load_phase import CONVERTING_MODEL, LOADING_MODEL, load_phase
 
@@ -101,16 +103,24 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any((path / f).is_file() for f in _WEIGHT_FILES)
 
 
+def gguf_source(ref: str) -> tuple[Path, Path] | None:
+    """(GGUF file, its converted directory in the cache) where `ref` names a GGUF, else None."""
+    if ref == DEFAULT_MODEL:
+        return default_gguf_path(), cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    path = Path(ref).expanduser()
+    if path.suffix != ".gguf":
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return path, gguf_cache_target(path)
+
+
 def resolve_model(ref: str = DEFAULT_MODEL) -> str:
     """A local HF directory for `ref` (converting GGUF into the cache), or the hub id as is."""
-    if ref == DEFAULT_MODEL:
-        target = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
-        return str(ensure_converted(default_gguf_path(), target))
+    source = gguf_source(ref)
+    if source is not None:
+        return str(ensure_converted(*source))
     path = Path(ref).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        return str(ensure_converted(path, gguf_cache_target(path)))
     if path.is_dir():
         return str(path)
     if path.exists():
@@ -148,6 +158,25 @@ def ensure_converted(gguf_path: Path, target: Path) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def gguf_int4(ref: str) -> dict[str, Int4Blocks]:
+    """The 4-bit blocks of the GGUF `ref` names, by HF module name (gguf_int4.py).
+
+    Read from the file once and cached beside the converted model (`INT4_FILE`), under the
+    conversion's lock. Raises ValueError where `ref` is no GGUF.
+    """
+    source = gguf_source(ref)
+    if source is None:
+        raise ValueError(f"model {ref!r} is not a GGUF file: it has no 4-bit blocks to serve")
+    gguf_path, target = source
+    ensure_converted(gguf_path, target)  # the directory the cache file sits in
+    cached = target / INT4_FILE
+    if not cached.is_file():
+        with _file_lock(target.parent / f".{target.name}.lock"):
+            if not cached.is_file():
+                save_int4(read_int4(gguf_path), cached)
+    return load_int4(cached)
 
 
 @contextlib.contextmanager

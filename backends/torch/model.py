@@ -31,6 +31,7 @@ from backends.torch.fused import FusedLayer, fuse_layer
 from backends.torch.kv_cache import KVCache
 from backends.torch.layers.activation import GateUpSilu
 from backends.torch.layers.layernorm import RMS_NORMS, RMSNorm
+from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.loader import check_architecture
 from backends.torch.packed import (
     GateUp,
@@ -42,21 +43,23 @@ from backends.torch.packed import (
     fusable_gate_up,
     pack_plan,
 )
+from backends.torch.quantization import NONE, quantize_linears, resolve_mode
 
 
 @dataclass(frozen=True)
 class _LayerLinears:
-    """One decoder layer's projections as `Linear`s (prepacked where that pays).
+    """One decoder layer's projections as `Linear`s (prepacked where that pays), each a
+    `QuantLinear` over its `Linear` where `--quantization` gave it a quantised copy.
 
     With `gate_up` (Carousel's kernels, `fuse_mlp`), decode-sized MLP inputs go through it,
     and gate and up keep only their plain weights (larger batches take F.linear anyway).
     """
 
-    qkv: Linear
-    o_proj: Linear
-    gate: Linear
-    up: Linear
-    down: Linear
+    qkv: Linear | QuantLinear
+    o_proj: Linear | QuantLinear
+    gate: Linear | QuantLinear
+    up: Linear | QuantLinear
+    down: Linear | QuantLinear
     gate_up: GateUp | None = None
 
     @classmethod
@@ -163,6 +166,7 @@ class PagedCausalLM:
         plan = plan if config.prepack_weights else None
         self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
         self._plan = plan
+        quantization = resolve_mode(hf_model, config)
         # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs
         fuse_mlp = config.fuse_mlp and self.dense_kernels is not None
         self.linears = [
@@ -170,6 +174,9 @@ class PagedCausalLM:
             for layer in self.layers
         ]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
+        # the full-precision linears: the native decode stack runs steps past the quantised rows
+        self.dense_linears = self.linears
+        self._quantize(hf_model, config, quantization)
         self.kv_cache = kv_cache
         self.attention = create_backend(
             config.attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
@@ -180,11 +187,29 @@ class PagedCausalLM:
         # decode-only steps: every layer in one native call (decode_stack.py)
         self.native_layers = (
             NativeDecodeLayers.build(
-                self.dense_kernels, self.linears, self._norms(), self.specs, self.attention, plan
-            )
+                self.dense_kernels,
+                self.dense_linears,
+                self._norms(),
+                self.specs,
+                self.attention,
+                plan,
+            )  # fmt: skip
             if config.native_layers is not False and all(op.uses_kernels for op in self.rotary)
             else None
         )
+
+    def _quantize(self, hf_model: PreTrainedModel, config: TorchBackendConfig, mode: str) -> None:
+        """Give the linears their quantised copies where `mode` asks (quantization.py)."""
+        ops, head, self.quantization = quantize_linears(
+            hf_model, config, mode, self.linears, self.lm_head_linear
+        )
+        if mode == NONE:
+            return
+        self.linears = [
+            dataclasses.replace(lin, **layer_ops)
+            for lin, layer_ops in zip(self.linears, ops, strict=True)
+        ]
+        self.lm_head_linear = head
 
     def _build_ops(self) -> None:
         """Each layer's ops, their implementations chosen here, once."""
@@ -281,7 +306,11 @@ class PagedCausalLM:
     ) -> torch.Tensor:
         """A decode-only step in the native stack's one call; any other step eager."""
         native = self._native_layers
-        if native is not None and native.takes(hidden, meta, self.linears):
+        # NOTE: the stack holds the full-precision weights: steps the quantised ones take
+        # (at most `layer_max_rows` rows) run eager
+        quantised = hidden.shape[0] <= self.quantization.layer_max_rows
+        linears = self.linears if self.quantization.mode == NONE else self.dense_linears
+        if native is not None and not quantised and native.takes(hidden, meta, linears):
             return native(hidden, rope, meta)
         return self._eager_layers(hidden, rope, meta)
 
@@ -335,6 +364,7 @@ class PagedCausalLM:
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), self._plan) for layer in self.layers
         ]
+        self.dense_linears = self.linears
         for layer in self.layers:  # its packed copy is not used by the graph: not kept for it
             forget_gate_up(layer.mlp)
         self.native_layers = None  # it holds those copies too
@@ -362,6 +392,7 @@ class PagedCausalLM:
 
         lin, layer = self.linears[index], self.layers[index]
         for linear in (lin.qkv, lin.o_proj, lin.gate, lin.up, lin.down):
+            assert isinstance(linear, Linear), "--compile runs no quantised linears (config.py)"
             ops.register_linear(linear)
         attn = layer.self_attn
         q_norm = attn.q_norm.weight if hasattr(attn, "q_norm") else None

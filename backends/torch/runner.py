@@ -222,6 +222,10 @@ class TorchBackend(Backend):
         return self.sampler.vocab_size
 
     @property
+    def weight_bytes(self) -> dict[str, int]:
+        return dict(self.model.quantization.weight_bytes)
+
+    @property
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size)
 

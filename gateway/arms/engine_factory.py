@@ -60,6 +60,8 @@ def torch_backend_config(settings: Settings) -> Any:
         compile=settings.compile,
         enforce_eager=settings.enforce_eager,
         tensor_parallel_size=settings.tensor_parallel_size,
+        quantization=settings.quantization,
+        quantization_max_rows=settings.quantization_max_rows,
     )
 
 

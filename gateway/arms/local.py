@@ -166,4 +166,5 @@ class LocalArm(Arm):
             engine.num_waiting,
             engine.kv_usage,
             bm.num_cached_blocks / bm.num_blocks,
+            engine.backend.weight_bytes,
         )

@@ -8,7 +8,7 @@ served `model` and the `arm` that served it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -56,6 +56,8 @@ class ArmGauges:
     kv_usage: float
     #: KV blocks no sequence holds that keep a cached prefix, as a share of all blocks
     kv_cached: float = 0.0
+    #: resident weight bytes per format (`bfloat16`, `int4`, `int8`; none for the sim)
+    weight_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class _ArmCollector(Collector):
@@ -79,10 +81,18 @@ class _ArmCollector(Collector):
                 labels=["model", "arm"],
             ),
         }
+        weights = GaugeMetricFamily(
+            "carousel_weight_bytes",
+            "Resident model weight bytes, per format (a quantised copy is one more format)",
+            labels=["model", "arm", "format"],
+        )
         for gauges in self._read():
             for attr, family in families.items():
                 family.add_metric([gauges.model, gauges.arm], float(getattr(gauges, attr)))
+            for fmt, nbytes in gauges.weight_bytes.items():
+                weights.add_metric([gauges.model, gauges.arm, fmt], float(nbytes))
         yield from families.values()
+        yield weights
 
 
 @dataclass(frozen=True)

@@ -87,8 +87,20 @@ class ModelSettings(BaseModel):
         json_schema_extra=torch_only(),
     )  # fmt: skip
     enforce_eager: bool = Field(
-        False, description="CUDA: no CUDA graphs for decode steps (every step runs eager)",
+        False,
+        description="CUDA: no CUDA graphs for decode steps (every step runs eager)",
         json_schema_extra=torch_only(),
+    )
+    quantization: Literal["auto", "gguf", "int8", "none"] = Field(
+        "auto",
+        description="weight-only quantised linears for small steps: auto (a GGUF's own 4-bit "
+        "blocks), gguf, int8 (per output channel), none",
+        json_schema_extra={**torch_only(), **per_arm()},
+    )
+    quantization_max_rows: int | None = Field(
+        None, ge=0, description="most rows of a step that takes the quantised weights "
+        "(default: measured at load)",
+        json_schema_extra={**torch_only(), **per_arm()},
     )  # fmt: skip
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
@@ -306,9 +318,13 @@ def unhonoured_settings(settings: BaseModel) -> list[str]:
     values = {name: getattr(settings, name) for name in (*defaults, "backend")}
     if values["backend"] == "sim":
         return [k for k, v in defaults.items() if values[k] != v]
-    if values["tensor_parallel_size"] > 1 and values["compile"]:
-        return ["compile"]  # NOTE: as TorchBackendConfig refuses it (backends/torch/config.py)
-    return []
+    # NOTE: as TorchBackendConfig refuses them (backends/torch/config.py): tensor-parallel
+    # ranks and the compiled layer run full-precision linears only
+    quantized = values["quantization"] in ("gguf", "int8")
+    if values["tensor_parallel_size"] > 1:
+        names = ["compile"] if values["compile"] else []
+        return [*names, "quantization"] if quantized else names
+    return ["quantization"] if quantized and values["compile"] else []
 
 
 def unhonoured_message(settings: BaseModel) -> str | None:

@@ -8,7 +8,10 @@ from types import ModuleType
 import torch
 
 from backends.torch.layers.custom_op import CustomOp
-from backends.torch.packed import GateUp, Linear
+from backends.torch.layers.quant_linear import QuantLinear
+from backends.torch.packed import GateUp
+
+LinearOp = Callable[[torch.Tensor], torch.Tensor]  # a `Linear`, or a `QuantLinear` over one
 
 
 class GateUpSilu(CustomOp):
@@ -34,21 +37,22 @@ class GateUpSilu(CustomOp):
         return self.act_is_silu
 
     def __call__(
-        self, x: torch.Tensor, gate: Linear, up: Linear, gate_up: GateUp | None
+        self, x: torch.Tensor, gate: LinearOp, up: LinearOp, gate_up: GateUp | None
     ) -> torch.Tensor:
         out: torch.Tensor = self._forward(x, gate, up, gate_up)
         return out
 
     def forward_native(
-        self, x: torch.Tensor, gate: Linear, up: Linear, gate_up: GateUp | None
+        self, x: torch.Tensor, gate: LinearOp, up: LinearOp, gate_up: GateUp | None
     ) -> torch.Tensor:
         return self.act_fn(gate(x)) * up(x)
 
     def forward_cpu(
-        self, x: torch.Tensor, gate: Linear, up: Linear, gate_up: GateUp | None
+        self, x: torch.Tensor, gate: LinearOp, up: LinearOp, gate_up: GateUp | None
     ) -> torch.Tensor:
         assert self.kernels is not None
-        if gate_up is not None and gate_up.takes(x):
+        quantised = isinstance(gate, QuantLinear) and gate.takes(x)
+        if gate_up is not None and gate_up.takes(x) and not quantised:
             return gate_up(x)
         out: torch.Tensor = self.kernels.silu_mul(gate(x), up(x))
         return out

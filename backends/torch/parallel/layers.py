@@ -19,6 +19,7 @@ That is 2 all-reduces per layer, plus one for the embedding and one gather, per 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,16 +78,25 @@ class VocabParallelEmbedding:
         return hidden
 
 
+def _dense(linear: Any) -> Linear:
+    """`linear`, a full-precision `Linear`: ranks never get quantised copies (config.py)."""
+    assert isinstance(linear, Linear), "tensor parallelism runs no quantised linears"
+    return linear
+
+
 def parallelize(model: PagedCausalLM, plan: ShardPlan) -> PagedCausalLM:
     """Install the collectives of rank `plan.rank` into `model` (in place; returned)."""
     rank = plan.rank
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, plan.vocab.start)
     model.linears = [
         dataclasses.replace(
-            lin, o_proj=RowParallelLinear(lin.o_proj, rank), down=RowParallelLinear(lin.down, rank)
-        )
+            lin,
+            o_proj=RowParallelLinear(_dense(lin.o_proj), rank),
+            down=RowParallelLinear(_dense(lin.down), rank),
+        )  # fmt: skip
         for lin in model.linears
     ]
+    model.dense_linears = model.linears
     model.lm_head_linear = GatheredLMHead(model.lm_head_linear, rank, plan.world_size)
     model.native_layers = None  # its layers would skip the all-reduces (decode_stack.py)
     return model

@@ -1,0 +1,308 @@
+"""`--quantization`: which weight-only quantised copies a model's linears get, and when they run.
+
+- `gguf`: a GGUF model's own Q4_0 / Q4_1 / Q4_K blocks through torch's int4 kernel
+  (gguf_int4.py); weights of other block types keep the dequantised copy only, except the LM
+  head (SmolLM2's tied Q8_0 embedding), which is requantised per output channel to int8;
+- `int8`: every linear and the LM head quantised per output channel (weight-only int8);
+- `none`: the full-precision weights only (today's path, and the fp32 HF oracle's);
+- `auto` (the default): `gguf` for a model loaded from a GGUF file, else `none`; also `none`
+  where quantised linears cannot run (tensor parallelism, `--compile`) and where Carousel's
+  own CPU kernels run the step (`native_stack_serves`: measured faster than torch's int4 op
+  on the Zen 4 at every batch size, so there `gguf` is for A/B runs).
+
+Each quantised linear (layers/quant_linear.py) takes its kernel for steps of at most `R` rows
+and the full-precision weight otherwise. `R` is measured at load (`measure_max_rows`: both
+paths over every layer's linears, and over the LM head, at 1, 2, 4, ... rows; logged) unless
+`quantization_max_rows` sets it; a copy whose `R` is 0 is dropped. Arms sharing one loaded
+model and asking for the same quantisation share the quantised copies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from backends.torch import kernels
+from backends.torch.config import QUANTIZATIONS, TorchBackendConfig
+from backends.torch.gguf_int4 import Int4Blocks
+from backends.torch.layers.quant_linear import QuantLinear
+from backends.torch.loader import gguf_int4, gguf_source
+from backends.torch.logs import engine_log
+from backends.torch.packed import Linear
+from backends.torch.quant_weights import Int4Weight, Int8Weight, QuantizedWeight
+
+log = engine_log()
+
+AUTO, GGUF, INT8, NONE = QUANTIZATIONS
+#: row counts `measure_max_rows` tries, in order (a step past the last takes bf16 anyway)
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+_PROJECTIONS = ("qkv", "o_proj", "gate", "up", "down")
+_CACHE_ATTR = "_carousel_quantized"
+
+
+@dataclass
+class QuantizationReport:
+    """What a model's quantisation came to: logged at load, weight bytes on /metrics."""
+
+    mode: str
+    layer_max_rows: int = 0
+    lm_head_max_rows: int = 0
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def from_gguf_file(hf_model: PreTrainedModel, ref: str) -> bool:
+    """Whether `hf_model` is the converted model of the GGUF `ref` names."""
+    try:
+        source = gguf_source(ref)
+    except FileNotFoundError:
+        return False
+    loaded_from = str(getattr(hf_model, "name_or_path", "") or "")
+    return source is not None and loaded_from == str(source[1])
+
+
+def native_stack_serves(hf_model: PreTrainedModel, config: TorchBackendConfig) -> bool:
+    """Whether Carousel's CPU kernels (and their native decode stack) run this model's steps.
+
+    There `auto` keeps full precision: on the 2-core Zen 4 their bf16 decode step took 23.2 ms
+    at one sequence against 42.7 ms through torch's int4 op (docs/benchmarks/history/).
+    """
+    weight = hf_model.lm_head.weight
+    return (
+        weight.device.type == "cpu"
+        and config.cpu_kernels
+        and config.native_layers is not False
+        and kernels.computes(weight.dtype)
+    )
+
+
+def resolve_mode(hf_model: PreTrainedModel, config: TorchBackendConfig) -> str:
+    """`config.quantization` with `auto` settled; raises ValueError for `gguf` on no GGUF."""
+    mode = config.quantization
+    if mode == AUTO:
+        eager_one_rank = config.tensor_parallel_size == 1 and not config.compile
+        if not eager_one_rank or native_stack_serves(hf_model, config):
+            return NONE
+        return GGUF if from_gguf_file(hf_model, config.model) else NONE
+    if mode == GGUF and not from_gguf_file(hf_model, config.model):
+        raise ValueError(
+            f"quantization 'gguf' needs a GGUF model (the default or a .gguf file), not "
+            f"{config.model!r}: use 'int8' or 'none'"
+        )
+    return mode
+
+
+def _shared(hf_model: PreTrainedModel, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """`build()` once per loaded model and `key` (arms sharing the weights share it)."""
+    cache: dict[tuple[Any, ...], Any] = hf_model.__dict__.setdefault(_CACHE_ATTR, {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def _int4_copies(
+    hf_model: PreTrainedModel, ref: str, dtype: torch.dtype, device: torch.device
+) -> dict[str, QuantizedWeight]:
+    """Per `layers.{i}.{projection}` and `lm_head`: the GGUF's 4-bit blocks, packed."""
+    blocks = gguf_int4(ref)
+    out: dict[str, QuantizedWeight] = {}
+    for i in range(len(hf_model.model.layers)):
+        prefix = f"model.layers.{i}."
+        qkv = [blocks.get(prefix + f"self_attn.{p}_proj") for p in "qkv"]
+        if all(b is not None for b in qkv):
+            out[f"layers.{i}.qkv"] = Int4Weight(Int4Blocks.cat(qkv), dtype, device)  # type: ignore[arg-type]
+        for key, name in (("o_proj", "self_attn.o_proj"), ("gate", "mlp.gate_proj"),
+                          ("up", "mlp.up_proj"), ("down", "mlp.down_proj")):  # fmt: skip
+            if prefix + name in blocks:
+                out[f"layers.{i}.{key}"] = Int4Weight(blocks[prefix + name], dtype, device)
+    tied = hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
+    head = blocks.get("lm_head") or (blocks.get("model.embed_tokens") if tied else None)
+    lm_head = hf_model.lm_head.weight
+    out["lm_head"] = Int4Weight(head, dtype, device) if head is not None else Int8Weight(lm_head)
+    return out
+
+
+def _int8_copies(hf_model: PreTrainedModel, linears: Sequence[Any]) -> dict[str, QuantizedWeight]:
+    out: dict[str, QuantizedWeight] = {}
+    for i, lin in enumerate(linears):
+        for key in _PROJECTIONS:
+            out[f"layers.{i}.{key}"] = Int8Weight(getattr(lin, key).weight)
+    out["lm_head"] = Int8Weight(hf_model.lm_head.weight)
+    return out
+
+
+def quantized_copies(
+    hf_model: PreTrainedModel, mode: str, ref: str, linears: Sequence[Any]
+) -> dict[str, QuantizedWeight]:
+    """The quantised weights `mode` gives this model, built once per model, mode and dtype."""
+    weight = hf_model.lm_head.weight
+    key = (mode, ref, weight.dtype, weight.device)
+
+    def build() -> dict[str, QuantizedWeight]:
+        if mode == GGUF:
+            return _int4_copies(hf_model, ref, weight.dtype, weight.device)
+        return _int8_copies(hf_model, linears)
+
+    copies: dict[str, QuantizedWeight] = _shared(hf_model, key, build)
+    return copies
+
+
+def _check_shape(key: str, dense: Linear, quantized: QuantizedWeight) -> None:
+    expected = tuple(dense.weight.shape)
+    got = (quantized.out_features, quantized.in_features)
+    if got != expected:
+        raise ValueError(f"the quantised {key} is {got}, the model's weight {expected}")
+
+
+def _timed(call: Callable[[], Any], device: torch.device) -> float:
+    began = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
+
+
+@torch.inference_mode()
+def measure_max_rows(
+    pairs: Sequence[tuple[Linear, QuantizedWeight]],
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int = 3,
+) -> int:
+    """The most rows for which the quantised kernels beat the dense weights at every row count
+    up to it; 0: never.
+
+    Each side runs all of `pairs` in turn, as a step streams every layer's weights from memory
+    (one weight alone sits in cache, which flatters the dense side); the sides alternate
+    `reps` times and each keeps its fastest pass (the one least disturbed by other work).
+    """
+    if not pairs:
+        return 0
+    best = 0
+    for rows in CANDIDATE_ROWS:
+        inputs = {
+            k: torch.randn(rows, k, device=device, dtype=dtype)
+            for k in {dense.weight.shape[1] for dense, _ in pairs}
+        }
+
+        run_dense, run_quantized = _passes(pairs, inputs)
+        dense_s = quantized_s = float("inf")
+        for _ in range(reps):
+            dense_s = min(dense_s, _timed(run_dense, device))
+            quantized_s = min(quantized_s, _timed(run_quantized, device))
+        if quantized_s >= dense_s:
+            break
+        best = rows
+    return best
+
+
+def _passes(
+    pairs: Sequence[tuple[Linear, QuantizedWeight]], inputs: dict[int, torch.Tensor]
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One pass over every pair's dense weight, and one over its quantised copy."""
+
+    def run_dense() -> None:
+        for dense, _ in pairs:
+            dense(inputs[dense.weight.shape[1]])
+
+    def run_quantized() -> None:
+        for _, quantized in pairs:
+            quantized.mm(inputs[quantized.in_features])
+
+    return run_dense, run_quantized
+
+
+def _all_pairs(
+    linears: Sequence[Any], copies: dict[str, QuantizedWeight]
+) -> list[tuple[Linear, QuantizedWeight]]:
+    """Every (dense, quantised) projection pair, layer by layer, in the forward's order."""
+    return [
+        (getattr(lin, k), copies[f"layers.{i}.{k}"])
+        for i, lin in enumerate(linears)
+        for k in _PROJECTIONS
+        if f"layers.{i}.{k}" in copies
+    ]
+
+
+def quantize_linears(
+    hf_model: PreTrainedModel,
+    config: TorchBackendConfig,
+    mode: str,
+    linears: Sequence[Any],
+    lm_head: Linear,
+) -> tuple[list[dict[str, Any]], Any, QuantizationReport]:
+    """Each layer's projections and the LM head, with their quantised copies where `mode` (the
+    `resolve_mode` of `config`) asks for them: ([{projection: op}] per layer, LM head, report).
+    """
+    weight = hf_model.lm_head.weight
+    device, dtype = weight.device, weight.dtype
+    plain = [{k: getattr(lin, k) for k in _PROJECTIONS} for lin in linears]
+    packed = [lm_head.packed, *(lin.packed for layer in plain for lin in layer.values())]
+    packed += [lin.gate_up.packed for lin in linears if lin.gate_up is not None]
+    report = QuantizationReport(mode)
+    if mode == NONE:
+        report.weight_bytes = weight_bytes(hf_model, packed, {})
+        return plain, lm_head, report
+    copies = quantized_copies(hf_model, mode, config.model, linears)
+    for key, quantized in copies.items():
+        layer, _, name = key.rpartition(".")
+        dense = lm_head if key == "lm_head" else plain[int(layer.split(".")[1])][name]
+        _check_shape(key, dense, quantized)
+    fixed = config.quantization_max_rows
+    began = time.monotonic()
+    layer_rows = fixed if fixed is not None else measure_max_rows(
+        _all_pairs(linears, copies), device, dtype
+    )  # fmt: skip
+    head_rows = fixed if fixed is not None else measure_max_rows(
+        [(lm_head, copies["lm_head"])], device, dtype
+    )  # fmt: skip
+    aten = kernels  # torch's weight-only ops are named in kernels.py
+    ops = []
+    for i, projections in enumerate(plain):
+        ops.append({
+            k: QuantLinear(dense, copies[f"layers.{i}.{k}"], layer_rows, device, aten)
+            if layer_rows > 0 and f"layers.{i}.{k}" in copies else dense
+            for k, dense in projections.items()
+        })  # fmt: skip
+    head: Any = lm_head
+    if head_rows > 0:
+        head = QuantLinear(lm_head, copies["lm_head"], head_rows, device, aten)
+    kept = {k: v for k, v in copies.items()
+            if (head_rows if k == "lm_head" else layer_rows) > 0}  # fmt: skip
+    report.layer_max_rows, report.lm_head_max_rows = layer_rows, head_rows
+    report.weight_bytes = weight_bytes(hf_model, packed, kept)
+    log.info(
+        "quantised linears",
+        quantization=mode,
+        layer_max_rows=layer_rows,
+        lm_head_max_rows=head_rows,
+        measured=fixed is None,
+        seconds=round(time.monotonic() - began, 2),
+        weight_bytes=report.weight_bytes,
+    )
+    return ops, head, report
+
+
+def weight_bytes(
+    hf_model: PreTrainedModel,
+    packed: Sequence[torch.Tensor | None],
+    quantized: dict[str, QuantizedWeight],
+) -> dict[str, int]:
+    """Resident weight bytes per format: the model's parameters and prepacked copies under
+    their dtype (`bfloat16`, ...), each quantised format under its name (`int4`, `int8`)."""
+    seen: set[int] = set()
+    dense = 0
+    for param in hf_model.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            dense += param.numel() * param.element_size()
+    for copy in {id(c): c for c in packed if c is not None}.values():  # oneDNN's: no data_ptr
+        dense += copy.numel() * copy.element_size()
+    out = {str(hf_model.lm_head.weight.dtype).removeprefix("torch."): dense}
+    for weight in {id(q): q for q in quantized.values()}.values():
+        out[weight.format] = out.get(weight.format, 0) + weight.nbytes
+    return out

@@ -1,0 +1,118 @@
+"""`--quantization`: quantised copies run for small steps only, `auto` leaves non-GGUF models
+alone, what a backend cannot honour is refused, and the weight bytes per format are reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from backends.torch.config import TorchBackendConfig
+from backends.torch.layers.quant_linear import QuantLinear
+from backends.torch.packed import Linear
+from backends.torch.quant_weights import Int8Weight
+from backends.torch.runner import TorchBackend
+from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
+from gateway.obs.metrics import ArmGauges, GatewayMetrics
+from gateway.settings.load import Settings
+from schedulers.batch import Batch
+from schedulers.block_manager import BlockManager
+from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import Sequence
+
+CPU = torch.device("cpu")
+
+
+def test_a_step_of_at_most_max_rows_takes_the_quantised_weight_and_larger_ones_the_dense() -> None:
+    dense = Linear(torch.randn(16, 32))
+    other = Int8Weight(torch.randn(16, 32))  # a different matrix: which one ran is visible
+    op = QuantLinear(dense, other, max_rows=4, device=CPU, kernels=torch)  # type: ignore[arg-type]
+    small, big = torch.randn(4, 32), torch.randn(5, 32)
+    torch.testing.assert_close(op(small), other.mm(small))
+    torch.testing.assert_close(op(big), dense(big))
+    never = QuantLinear(dense, other, max_rows=0, device=CPU, kernels=torch)  # type: ignore[arg-type]
+    torch.testing.assert_close(never(small), dense(small))
+
+
+def backend(**fields: object) -> TorchBackend:
+    model = tiny_model("llama")
+    return TorchBackend(
+        model, tiny_tokenizer(), device="cpu", dtype="bfloat16", kv_cache_gb=0.01,
+        max_model_len=64, **fields,
+    )  # fmt: skip
+
+
+def step_logits(b: TorchBackend, prompt: list[int]) -> torch.Tensor:
+    """Logits of a one-row decode step after `prompt` (prefilled first)."""
+    spec = b.kv_cache_spec
+    blocks = BlockManager(spec.num_blocks, spec.block_size)
+    seq = Sequence(0, "q", prompt, SamplingParams(max_tokens=4))
+    blocks.allocate(seq, len(prompt))
+    batch = Batch(0)
+    batch.add(seq, len(prompt) - 1)
+    b.logits(batch)
+    seq.num_computed_tokens = len(prompt) - 1
+    blocks.allocate(seq, len(prompt))
+    batch = Batch(0)
+    batch.add(seq, 1)
+    out = b.logits(batch)
+    blocks.free(seq)
+    return out
+
+
+def test_auto_leaves_a_model_that_is_no_gguf_as_it_is() -> None:
+    b = backend()
+    assert b.model.quantization.mode == "none"
+    assert set(b.weight_bytes) == {"bfloat16"}
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
+        backend(quantization="gguf")
+
+
+def test_int8_decode_steps_stay_close_to_the_dense_model_and_report_their_bytes() -> None:
+    prompt = [5, 17, 42, 99, 7, 3]
+    dense = step_logits(backend(quantization="none"), prompt)
+    b = backend(quantization="int8", quantization_max_rows=8)
+    assert b.model.quantization.layer_max_rows == 8
+    assert isinstance(b.model.linears[0].qkv, QuantLinear)
+    quantised = step_logits(b, prompt)
+    assert not torch.equal(quantised, dense)  # the int8 kernel ran
+    assert (quantised - dense).abs().max() <= 0.05 * dense.abs().max()
+    assert b.weight_bytes["int8"] > 0
+    assert b.weight_bytes["int8"] < b.weight_bytes["bfloat16"] / 2
+
+
+def test_what_cannot_run_quantised_linears_refuses_them() -> None:
+    with pytest.raises(ValidationError, match="sim cannot honour quantization"):
+        Settings(backend="sim", quantization="gguf")
+    with pytest.raises(ValidationError, match="cannot honour quantization"):
+        Settings(tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValidationError, match="cannot honour quantization"):
+        Settings(compile=True, quantization="gguf")
+    with pytest.raises(ValueError, match="tensor parallelism cannot honour quantization"):
+        TorchBackendConfig(tensor_parallel_size=2, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        TorchBackendConfig(quantization="int3")
+    Settings(tensor_parallel_size=2)  # auto: full precision on the ranks
+    Settings(compile=True)
+
+
+def test_metrics_report_weight_bytes_per_format() -> None:
+    gauges = ArmGauges("m", "a", 0, 0, 0.0, 0.0, {"bfloat16": 100, "int4": 25})
+    text = GatewayMetrics(arm_gauges=lambda: [gauges]).render().decode()
+    assert 'carousel_weight_bytes{arm="a",format="int4",model="m"} 25.0' in text
+    assert 'carousel_weight_bytes{arm="a",format="bfloat16",model="m"} 100.0' in text
+
+
+def test_auto_serves_the_gguf_blocks_only_where_carousels_kernels_do_not_run_the_step() -> None:
+    from backends.torch import kernels
+    from backends.torch.loader import gguf_source
+    from backends.torch.quantization import resolve_mode
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    source = gguf_source("default")
+    assert source is not None
+    model.name_or_path = str(source[1])  # as if loaded from the embedded GGUF's conversion
+    assert resolve_mode(model, TorchBackendConfig(cpu_kernels=False)) == "gguf"
+    assert resolve_mode(model, TorchBackendConfig(compile=True, cpu_kernels=False)) == "none"
+    if kernels.computes(torch.bfloat16):
+        assert resolve_mode(model, TorchBackendConfig()) == "none"
