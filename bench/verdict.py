@@ -11,8 +11,9 @@ run: a run's duration is one number, so only `--repeats` can tell how much it va
 
 Equivalence (two one-sided tests, TOST, at the same alpha = 0.05): the arms are `equivalent`
 when the 90% interval of the relative difference lies inside (-margin, +margin), the margin
-from `--equivalence-margin` (default 5%). `outcome` is then "difference" (significant),
-"equivalent" (no difference larger than the margin) or "inconclusive" (neither).
+from `--equivalence-margin` (default 5%). `outcome` is then "equivalent" (no difference larger than the margin,
+even where a smaller one is significant), "difference" (significant and not equivalent) or
+"inconclusive" (neither).
 
 Resampling (bench/stats.py): over requests, or over runs and then requests with several runs.
 When both arms ran the same workload (the bench, a replay) the resamples are paired: one draw of
@@ -289,11 +290,13 @@ def _equivalent(
 
 
 def _outcome(significant: bool | None, equivalent: bool | None) -> str | None:
+    """Equivalence first: a difference whose whole 90% interval lies inside the margin (a
+    significant 0.1% on two near-deterministic runs) is no difference worth naming."""
     if significant is None:
         return None
-    if significant:
-        return "difference"
-    return "equivalent" if equivalent else "inconclusive"
+    if equivalent:
+        return "equivalent"
+    return "difference" if significant else "inconclusive"
 
 
 def _note(spec: MetricSpec, base: Estimate, other: Estimate) -> str | None:
@@ -331,7 +334,7 @@ def sentence(entry: dict[str, Any]) -> str:
     verb = "raises" if diff > 0 else "lowers"
     if entry["significant"] is None:
         return f"{arm} {verb} {label} by {_pct(diff, _digits(diff))} ({entry['note']})"
-    if not entry["significant"]:
+    if not entry["significant"] or entry.get("outcome") == "equivalent":
         return _no_difference_sentence(entry)
     lo, hi = sorted(abs(x) for x in ci) if ci is not None else (None, None)
     if lo is None or hi is None:

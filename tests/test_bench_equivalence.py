@@ -98,3 +98,14 @@ def test_same_schedule_is_unknown_without_a_whole_trace() -> None:
     assert same_schedule([trace(shape)], [missing]) is None
     assert same_schedule([trace(shape)], [truncated]) is None
     assert same_schedule([], []) is None
+
+
+def test_a_significant_difference_inside_the_margin_reads_equivalent() -> None:
+    base = draw(2000, 4)
+    (entry,) = compare_runs(
+        "static", [sample(base)], "orca", [sample(base * 1.005)], slo_active=False,
+        rng=np.random.default_rng(0), num_resamples=1000, paired=True, metrics=E2E,
+    )  # fmt: skip
+    assert entry["significant"] is True  # paired: the 0.5% shift is certain
+    assert entry["outcome"] == "equivalent"
+    assert entry["sentence"].startswith("no difference in p50 e2e larger than 5%")

@@ -88,7 +88,10 @@ def generate(
     bitmask = allocate_bitmask(n, backend.hf_model.config.vocab_size)
     inner = backend.sampler
 
-    def sample(logits: torch.Tensor, batch_seqs: list[Sequence]) -> Any:
+    def sample(
+        logits: torch.Tensor, batch_seqs: list[Sequence], greedy_ids: torch.Tensor | None = None
+    ) -> Any:
+        # greedy_ids (a CUDA graph's argmax) would skip the mask: the masked logits decide
         for row, seq in enumerate(batch_seqs):
             states[seq.seq_id].fill_bitmask(bitmask, row)
         logits = logits.float().clone()  # the model's (inference-mode) logits stay untouched
