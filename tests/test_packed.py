@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from backends.torch import cpu_kernels
 from backends.torch.fused import fuse_layer
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, _LayerLinears, attention_specs
 from backends.torch.packed import (
+    NATIVE,
     ONEDNN,
     Linear,
     PackPlan,
@@ -60,6 +63,60 @@ def test_packed_linear_matches_f_linear_at_every_row_count(dtype: torch.dtype, r
             torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
         else:  # fp32: another blocking, so another summation order
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_linear_op_packs_on_cpu_within_the_plan_rows_else_runs_f_linear(native: bool) -> None:
+    """The per-device choice (packed where a plan packed a copy, with Carousel's kernels or
+    oneDNN's) and, on top of it, the per-step one: rows outside the plan take `F.linear`."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 80), torch.randn(96)
+    plain = Linear(weight, bias)
+    assert not plain.uses_kernels
+    x = torch.randn(3, 80)
+    assert torch.equal(plain(x), F.linear(x, weight, bias))
+    plan = pack_plan(CPU, torch.float32, native=native)
+    if plan is None:
+        pytest.skip("no prepacking on this machine")
+    linear = Linear(weight, bias, plan)
+    assert linear.uses_kernels
+    assert (linear.native is not None) == (plan.kernel == NATIVE)
+    for rows in (plan.min_rows, plan.max_rows, plan.max_rows + 1):
+        x = torch.randn(rows, 80)
+        with _TorchCalls() as calls:
+            got = linear(x)
+        assert (F.linear in calls.seen) == (rows > plan.max_rows), rows
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+class _TorchCalls(TorchFunctionMode):
+    """The torch functions called inside (Carousel's kernels and oneDNN's op are not `F.linear`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _NoBias(Linear):
+    def __init__(self, inner: Linear) -> None:
+        self.adopt(inner, bias=False)
+
+
+def test_a_linear_adopting_another_without_its_bias_adds_none() -> None:
+    """What a row-parallel projection off rank 0 does (parallel/layers.py)."""
+    torch.manual_seed(1)
+    weight, bias = torch.randn(96, 80), torch.randn(96)
+    x = torch.randn(4, 80)
+    for plan in [None, *plans(torch.float32)]:
+        inner = Linear(weight, bias, plan)
+        adopted = _NoBias(inner)
+        assert adopted.packed is inner.packed
+        torch.testing.assert_close(adopted(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(inner(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_kernels.amx_on(), reason="bf16 linears take AMX tiles only here")

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.torch import kernels
+from backends.torch.layers.custom_op import CustomOp
 
 ONEDNN = "onednn"
 NATIVE = "native"  # backends/torch/cpu_kernels
@@ -102,8 +103,16 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-class Linear:
-    """`y = x @ weight.T + bias`, through a prepacked weight when one was built."""
+class Linear(CustomOp):
+    """`y = x @ weight.T + bias`, through a prepacked weight when one was built.
+
+    A layer op (layers/custom_op.py): `forward_native` is `F.linear`; the CPU implementation,
+    chosen once at load where `plan` packed a copy (Carousel's kernels' or oneDNN's), is the
+    packed path. On top of that per-device choice it keeps a per-step rule: each call whose
+    row count is outside `plan`'s `min_rows..max_rows` window (prefill, big mixed steps) takes
+    `F.linear`, which is as fast or faster there. CUDA (never packed: `pack_plan` is None
+    off the CPU) runs `forward_native`.
+    """
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, plan: PackPlan | None = None
@@ -131,22 +140,36 @@ class Linear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(
                     weight.detach(), plan.batch_hint
                 )
+        # the kernels the packed copy is for: Carousel's, oneDNN's, or none (no plan)
+        packer = self.native if self.native is not None else torch.ops.mkldnn
+        super().__init__(weight.device, packer if self.plan is not None else None)
 
     def adopt(self, inner: Linear, *, bias: bool = True) -> None:
         """Take `inner`'s weight and packed copy (no repacking); `bias=False` drops its bias."""
         self.__dict__.update(inner.__dict__)
         if not bias:
             self.bias = self.packed_bias = None
+        # `inner`'s chosen forward is bound to `inner` (its bias): choose again, for `self`
+        self._forward = self.dispatch_forward(self.weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        plan = self.plan
-        if plan is not None and plan.min_rows <= x.shape[0] <= plan.max_rows:
-            if self.native is not None:
-                return self.native.linear(
-                    x.contiguous(), self.packed, self.out_features, self.packed_bias
-                )
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = self._forward(x)
+        return out
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        assert plan is not None
+        if not plan.min_rows <= x.shape[0] <= plan.max_rows:
+            return F.linear(x, self.weight, self.bias)
+        if self.native is not None:
+            out: torch.Tensor = self.native.linear(
+                x.contiguous(), self.packed, self.out_features, self.packed_bias
+            )
+            return out
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 _CACHE_ATTR = "_carousel_linears"
