@@ -11,9 +11,9 @@ run: a run's duration is one number, so only `--repeats` can tell how much it va
 
 Equivalence (two one-sided tests, TOST, at the same alpha = 0.05): the arms are `equivalent`
 when the 90% interval of the relative difference lies inside (-margin, +margin), the margin
-from `--equivalence-margin` (default 5%). `outcome` is then "equivalent" (no difference larger than the margin,
-even where a smaller one is significant), "difference" (significant and not equivalent) or
-"inconclusive" (neither).
+from `--equivalence-margin` (default 5%). `outcome` is then "equivalent" (no difference
+larger than the margin, even where a smaller one is significant), "difference" (significant
+and not equivalent) or "inconclusive" (neither).
 
 Resampling (bench/stats.py): over requests, or over runs and then requests with several runs.
 When both arms ran the same workload (the bench, a replay) the resamples are paired: one draw of
