@@ -18,11 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.serve_process import free_port
 
 
 def _answers(port: int) -> bool:
@@ -43,7 +39,7 @@ def redis_server() -> Iterator[str]:
         if os.environ.get("CAROUSEL_REQUIRE_REDIS") == "1":
             pytest.fail("redis-server is not installed (CAROUSEL_REQUIRE_REDIS=1)")
         pytest.skip("redis-server is not installed (scripts/ci-services.sh installs it)")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as workdir:
         proc = subprocess.Popen(
             [

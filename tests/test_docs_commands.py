@@ -32,11 +32,6 @@ import argparse
 import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +40,7 @@ import httpx
 import pytest
 
 from gateway.cli import build_parser, load_settings, main
+from tests.serve_process import carousel_serve
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -214,51 +210,15 @@ arms:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimServer]:
     """`carousel serve --backend sim` with the docs' arms, recording its traffic."""
     folder = tmp_path_factory.mktemp("docs-commands")
     (folder / "arms.yaml").write_text(ARMS_YAML)
-    port = _free_port()
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", "arms.yaml"]
-    command += ["--port", str(port), "--record-traffic", "traffic.jsonl"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    log = (folder / "serve.log").open("w")
-    proc = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, folder / "serve.log")
+    args = ["--config", "arms.yaml", "--record-traffic", "traffic.jsonl"]
+    with carousel_serve(args, folder) as url:
         _seed_traffic(url)
         yield SimServer(url, folder)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, (
-            f"the sim server never became healthy\n{log.read_text()}"
-        )
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
 
 
 def _seed_traffic(url: str) -> None:

@@ -16,68 +16,20 @@ streamed reply, so unstreamed traffic gives the TTFT tests no samples at all.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-#: this checkout, first on the servers' path (not whichever install `python` finds first)
-ROOT = Path(__file__).resolve().parents[1]
+from tests.serve_process import carousel_serve
+
 #: the baseline's and the 3x slower arm's `--sim-time-scale`
 FAST, SLOW = 5.0, 15.0
 DEADLINE_S = 40.0
 CONCURRENCY = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, f"{url} never became healthy\n{log.read_text()}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-
-
-@contextmanager
-def _serve(args: list[str], folder: Path, name: str) -> Iterator[str]:
-    """`carousel serve ARGS` on a free loopback port; yields its URL; ends it by its pid."""
-    port = _free_port()
-    command = [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    log_path = folder / f"{name}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_healthy(proc, url, log_path)
-            yield url
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _sim_args(time_scale: float) -> list[str]:
@@ -141,11 +93,17 @@ async def _drive(url: str, deadline_s: float) -> tuple[dict[str, Any], int]:
 def _rollout(tmp_path: Path, baseline_scale: float, candidate_scale: float) -> dict[str, Any]:
     """Run the rollout between two sim processes under load; its final status."""
     with ExitStack() as stack:
-        baseline = stack.enter_context(_serve(_sim_args(baseline_scale), tmp_path, "baseline"))
-        candidate = stack.enter_context(_serve(_sim_args(candidate_scale), tmp_path, "candidate"))
+        baseline = stack.enter_context(
+            carousel_serve(_sim_args(baseline_scale), tmp_path, "baseline")
+        )
+        candidate = stack.enter_context(
+            carousel_serve(_sim_args(candidate_scale), tmp_path, "candidate")
+        )
         config = tmp_path / "rollout.yaml"
         config.write_text(ROLLOUT_YAML.format(baseline=baseline, candidate=candidate))
-        gateway = stack.enter_context(_serve(["--config", str(config)], tmp_path, "gateway"))
+        gateway = stack.enter_context(
+            carousel_serve(["--config", str(config)], tmp_path, "gateway")
+        )
         began = time.monotonic()
         status, sent = asyncio.run(_drive(gateway, DEADLINE_S))
         print(f"{status['status']} after {sent} requests, {time.monotonic() - began:.1f} s")

@@ -1,0 +1,64 @@
+"""`carousel serve` as a real process for end-to-end tests: a free loopback port, the health
+wait, and a stop by its own pid (SIGINT, then kill)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 60) -> None:
+    """Until `url`/health answers 200; fails with the server's log if it exits or never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"{url} never became healthy\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
+@contextmanager
+def carousel_serve(args: list[str], folder: Path, name: str = "serve") -> Iterator[str]:
+    """`carousel serve ARGS` from `folder` on a free loopback port, with this checkout's code
+    first on the path (not whatever the venv's editable install points at) and no CAROUSEL_*
+    variables of the test run; yields its URL; its output goes to `folder/NAME.log`."""
+    port = free_port()
+    command = [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    log_path = folder / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, url, log_path)
+            yield url
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
