@@ -110,8 +110,11 @@ class Settings(
 
     @model_validator(mode="after")
     def _keys_resolve(self) -> Settings:
-        """Read `api_key_file` now, so a bad file or a repeated key stops the start-up."""
-        self.key_principals()
+        """Read `api_key_file` now, so a bad file or a repeated key stops the start-up; and
+        `metrics_require_key` needs a key from one of the sources."""
+        keys = self.key_principals()
+        if self.metrics_require_key and not keys:
+            raise ValueError("metrics_require_key needs API keys: no key could open /metrics")
         return self
 
     def key_principals(self) -> list[tuple[str, Principal]]:
@@ -130,8 +133,6 @@ class Settings(
             message = unhonoured_message(settings)
             if message:
                 raise ValueError(message)
-        if self.metrics_require_key and not self.key_principals():
-            raise ValueError("metrics_require_key needs API keys: no key could open /metrics")
         return self
 
     @model_validator(mode="after")
