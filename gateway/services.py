@@ -48,6 +48,7 @@ class RequestServices:
             "request_id": ctx.request_id,
             "endpoint": ctx.endpoint,
             "model": ctx.model,
+            "principal": ctx.principal,
             "arm": ctx.arm,
             "scheduler": ctx.scheduler,
             "stream": ctx.stream,

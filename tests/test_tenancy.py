@@ -4,6 +4,7 @@ they may. Live sim servers (tests/conftest.py), in memory and on a shared real R
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import uuid
@@ -13,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app
@@ -168,6 +170,18 @@ def test_oversized_metadata_and_user_are_400s_naming_them(
     response = httpx.post(server.url + path, json={"model": SIM_MODEL, **body}, timeout=30)
     error = error_of(response, 400)
     assert error["param"] == param and len(error["message"]) < 300
+
+
+def test_the_access_log_names_each_requests_principal_never_its_key(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    url = make_server(principals=principals("ada", "bob")).url
+    with structlog.testing.capture_logs() as logs:
+        for name in ("ada", "bob", "ada"):
+            create(url, name)
+    requests = [entry for entry in logs if entry["event"] == "request"]
+    assert [entry["principal"] for entry in requests] == ["ada", "bob", "ada"]
+    assert "key-of-" not in json.dumps(logs, default=str)
 
 
 def test_a_long_input_string_is_one_item(make_server: Callable[..., LiveServer]) -> None:
