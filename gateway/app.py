@@ -79,6 +79,7 @@ def create_app(
         recorder = state.recorder
         metrics.watch_traffic_record(lambda: (recorder.written, recorder.dropped))
     state.rollouts = rollouts(settings, served, metrics)
+    state.admin_principals = any(principal.admin for _, principal in keys)
     app.state.gateway = state
     install_error_handlers(app)
     app.include_router(router)

@@ -59,6 +59,8 @@ class GatewayState:
     admission: Admission = field(default_factory=Admission)
     #: each deployment's rollout (`rollout:`), by served name
     rollouts: dict[str, RolloutController] = field(default_factory=dict)
+    #: some principal has `admin: true`: the admin routes are then for admins only
+    admin_principals: bool = False
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
 

@@ -207,6 +207,29 @@ def upstream_arms() -> list[dict[str, object]]:
     return [{"name": n, "upstream": upstream} for n in ("orca", "sjf")]
 
 
+def test_an_admin_principal_from_the_key_file_steers_the_rollout_and_no_one_else(
+    tmp_path: Path,
+) -> None:
+    key_file = tmp_path / "keys.yaml"
+    key_file.write_text(
+        "- {name: team-a, keys: [user-key]}\n- {name: ops, keys: [ops-key], admin: true}\n"
+    )
+    settings = Settings(
+        backend="sim",
+        served_model_name="m",
+        arms=upstream_arms(),  # type: ignore[arg-type]
+        rollout=ROLLOUT.model_dump(),  # type: ignore[arg-type]
+        api_key_file=str(key_file),
+    )
+    deployment = Deployment("m", [sim_arm(scheduler="orca"), sim_arm(scheduler="sjf")])
+    with serve_app(create_app(settings, [deployment])) as url:
+        user = {"Authorization": "Bearer user-key"}
+        refused = httpx.post(f"{url}/admin/rollout/pause", headers=user)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_admin"
+        ops = {"Authorization": "Bearer ops-key"}
+        assert httpx.post(f"{url}/admin/rollout/pause", headers=ops).json()["status"] == "paused"
+
+
 def test_admin_routes_show_and_steer_the_rollout_behind_an_admin_key(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -1,7 +1,8 @@
 """`/admin/rollout`: a rollout's status, and an operator's pause, resume, abort or promote.
 
-With `admin_api_keys` configured, these routes need one of them (any API key passes the
-app's middleware first); without, whatever the middleware lets through may call them.
+With `admin_api_keys` configured, or a principal with `admin: true`, these routes need an
+admin: one of those keys or that principal's (any API key passes the app's middleware
+first); with neither, whatever the middleware lets through may call them.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from gateway.api.errors import APIError, invalid
+from gateway.http.auth import request_principal
 from gateway.rollout.controller import RolloutController
 from gateway.state import GatewayState
 
 rollout_admin = APIRouter(prefix="/admin/rollout")
 
 
-def check_admin(request: Request, admin_keys: list[str]) -> None:
-    """403 unless the request's bearer key is an admin key (no-op without admin keys)."""
-    if not admin_keys:
+def check_admin(request: Request, state: GatewayState) -> None:
+    """403 unless the request comes from an admin: an `admin: true` principal or a key of
+    `admin_api_keys` (no-op when neither is configured)."""
+    admin_keys = state.settings.admin_api_keys
+    if request_principal(request).admin or not (admin_keys or state.admin_principals):
         return
     _, _, token = (request.headers.get("authorization") or "").partition(" ")
     given = token.strip().encode("utf-8")
@@ -35,7 +39,7 @@ def check_admin(request: Request, admin_keys: list[str]) -> None:
 
 def _rollout(request: Request, model: str | None) -> RolloutController:
     state: GatewayState = request.app.state.gateway
-    check_admin(request, state.settings.admin_api_keys)
+    check_admin(request, state)
     if not state.rollouts:
         raise APIError(
             404, "No rollout is configured.", "invalid_request_error", None, "no_rollout"

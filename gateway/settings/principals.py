@@ -7,6 +7,9 @@ principals:                 # in the --config file, or alone in --api-key-file
     allowed_arms: [vllm]    # zero-weight arms this principal may pin (X-Carousel-Arm)
     max_in_flight: 8        # 429 beyond this many of its requests at once
     max_stored_bytes: 1048576   # its share of the response store
+  - name: ops
+    keys: ["sk-ops-1"]
+    admin: true             # may call /admin/... (`carousel rollout`); others then get 403
 ```
 
 A key given by `--api-key` is a principal of its own, named `key-<8 hex of its sha256>` (so
@@ -39,10 +42,13 @@ class PrincipalSettings(BaseModel):
     allowed_arms: list[str] | None = None
     max_in_flight: int | None = Field(None, ge=1)
     max_stored_bytes: int | None = Field(None, ge=1)
+    admin: bool = False
 
     def principal(self) -> Principal:
         arms = None if self.allowed_arms is None else frozenset(self.allowed_arms)
-        return Principal(self.name, arms, self.max_in_flight, self.max_stored_bytes)
+        return Principal(
+            self.name, arms, self.max_in_flight, self.max_stored_bytes, admin=self.admin
+        )
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class Principal:
     max_in_flight: int | None = None
     #: bytes of stored responses it may keep (None: the store's default share)
     max_stored_bytes: int | None = None
+    #: may call the `/admin/...` routes (with any admin configured, only admins may)
+    admin: bool = False
 
 
 ANONYMOUS = Principal(ANONYMOUS_NAME)
