@@ -125,8 +125,12 @@ CMD []
 # with the reason logged (cpu_kernels_build_failed: no compiler).
 FROM cpu-app AS cpu-kernels
 USER root
-RUN apt-get update \
+# NOTE: the official python images carry Python.h; a Debian base (python3 from Debian's
+# packages, as the smoke test's debootstrap fallback) needs python3-dev for the build
+RUN include="$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+ && apt-get update \
  && apt-get install -y --no-install-recommends g++ \
+        $([ -f "$include/Python.h" ] || echo python3-dev) \
  && rm -rf /var/lib/apt/lists/*
 RUN export CAROUSEL_CACHE_DIR=/tmp/kernel-build \
  && python -c "import sys; from backends.torch.cpu_kernels import native, why_off; sys.exit(0 if native() else why_off())" \
