@@ -178,8 +178,8 @@ def unavailable_reason() -> str | None:
     if isa() is None:
         missing = [f for f in ISAS["avx2"][0] if f not in cpu_flags()]
         return f"this CPU lacks {', '.join(missing)}"
-    if not any(shutil.which(c) for c in ("c++", "g++")):
-        return "no C++ compiler (c++ or g++) on PATH"
+    if not any(shutil.which(c) for c in ("c++", "g++")) and _prebuilt(_digest()) is None:
+        return "no C++ compiler (c++ or g++) on PATH"  # NOTE: a module built ahead needs none
     return None
 
 
