@@ -64,3 +64,15 @@ def test_static_returns_a_batch_whole() -> None:
     )
     assert whole.latency_p50_s > 10 * streamed.ttft_p50_s
     assert whole.normalized_latency_p50_s > 5 * streamed.normalized_latency_p50_s
+
+
+def test_a_policy_sees_virtual_time_not_the_machines_clock() -> None:
+    """Arrivals long after this machine booted (time.monotonic) still form batches at once."""
+    model, gpu, eff = MODELS["gpt3-13b"], GPUS["a100-40gb"], Efficiency()
+    cost = cost_model(model, gpu, 1, eff)
+    late = 1e7  # virtual seconds, beyond any uptime
+    jobs = [(late, 64, 4), (late + 100.0, 64, 4)]  # each alone in a batch of up to 8
+    kw = {"max_tokens": 8, "max_num_seqs": 8, "max_model_len": 256}
+    result = simulate("static", cost, kv_blocks(model, gpu, 1, 16, eff), jobs, **kw)
+    assert result.completed == 2
+    assert result.latency_p50_s < 1.0  # served on arrival, not once a batch of 8 filled

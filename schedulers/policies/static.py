@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +91,7 @@ class StaticScheduler(Scheduler):
             return False
         if len(self.waiting) >= self.batch_size_limit:
             return True
-        return time.monotonic() >= self._form_deadline()
+        return self.clock() >= self._form_deadline()
 
     def _form_deadline(self) -> float:
         """When the oldest waiting request stops waiting for the batch to fill."""
