@@ -236,6 +236,8 @@ def simulate(
     if policy == "static":
         options = {"batch_wait_ms": 0.0, **(options or {})}
     scheduler = create_scheduler(policy, config, blocks, options)
+    clock = 0.0
+    scheduler.clock = lambda: clock  # the policy's "now" is virtual time, as arrivals are
     microbatches = getattr(scheduler.options, "num_microbatches", None)
     if microbatches is not None:  # the policy cuts its batches: the backend pipelines them
         cost = dataclasses.replace(cost, num_microbatches=microbatches)
@@ -251,7 +253,7 @@ def simulate(
     batch_sizes: list[int] = []
     refused = max_waiting = 0
     held: list[int] = []
-    clock, next_job = 0.0, 0
+    next_job = 0
     while next_job < len(jobs) or scheduler.has_work:
         while next_job < len(jobs) and jobs[next_job][0] <= clock:
             at, prompt, length = jobs[next_job]

@@ -6,6 +6,7 @@ import abc
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -86,6 +87,9 @@ class Scheduler(abc.ABC):
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._iteration = 0
+        #: what "now" is to the policy (arrival times are in its frame); a simulator in
+        #: virtual time replaces it (backends/sim_plan.py)
+        self.clock: Callable[[], float] = time.monotonic
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -127,7 +131,7 @@ class Scheduler(abc.ABC):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
-        seq.finish_time = time.monotonic()
+        seq.finish_time = self.clock()
         self.block_manager.free(seq)
 
     def expire_waiting(self, now: float) -> list[Sequence]:
@@ -253,7 +257,7 @@ class Scheduler(abc.ABC):
         self._iteration += 1
         batch = Batch(iteration=self._iteration)
         self._schedule(batch)
-        now = time.monotonic()
+        now = self.clock()
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -266,7 +270,7 @@ class Scheduler(abc.ABC):
     def update(self, batch: Batch, output: ExecuteOutput) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish and free; return finished."""
         finished: list[Sequence] = []
-        now = time.monotonic()
+        now = self.clock()
         for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
             if seq.is_finished:  # aborted while the step ran
                 continue

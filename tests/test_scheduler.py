@@ -191,6 +191,22 @@ def test_static_max_batch_size_caps_a_batch_below_max_num_seqs() -> None:
     assert len(batch.seqs) == 2 and len(sched.waiting) == 1
 
 
+def test_static_align_prompts_runs_a_batch_at_its_shortest_prompt() -> None:
+    sched = make_scheduler("static", max_num_seqs=2, align_prompts=True)
+    short, long_ = make_seq(4, max_tokens=2), make_seq(7, max_tokens=2)
+    sched.add(short)
+    sched.add(long_)
+    batch, _ = run_step(sched)  # both prefill 4 tokens; only the short one samples
+    assert batch.num_scheduled_tokens == [4, 4] and short.output_token_ids == [7]
+    assert long_.output_token_ids == []
+    for _ in range(3):  # the long one feeds its last 3 prompt tokens one per step
+        batch, _ = run_step(sched)
+        assert batch.num_scheduled_tokens[-1] == 1
+    assert long_.output_token_ids == [7] and short.is_finished
+    _, finished = run_step(sched)
+    assert finished == [long_]
+
+
 def test_static_rejects_bad_batch_options() -> None:
     with pytest.raises(ValueError, match="num_microbatches"):
         make_scheduler("static", num_microbatches=0)

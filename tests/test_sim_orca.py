@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from backends.sim import CostModel
-from backends.sim_orca import SETUPS, Point, sweep, throughput_at
+from backends.sim_orca import SETUPS, Point, slower, sweep, throughput_at
 from backends.sim_plan import GPUS, MODELS, Efficiency, cost_model, kv_blocks, simulate
 
 
@@ -64,3 +64,38 @@ def test_static_returns_a_batch_whole() -> None:
     )
     assert whole.latency_p50_s > 10 * streamed.ttft_p50_s
     assert whole.normalized_latency_p50_s > 5 * streamed.normalized_latency_p50_s
+
+
+def test_a_policy_sees_virtual_time_not_the_machines_clock() -> None:
+    """Arrivals long after this machine booted (time.monotonic) still form batches at once."""
+    model, gpu, eff = MODELS["gpt3-13b"], GPUS["a100-40gb"], Efficiency()
+    cost = cost_model(model, gpu, 1, eff)
+    late = 1e7  # virtual seconds, beyond any uptime
+    jobs = [(late, 64, 4), (late + 100.0, 64, 4)]  # each alone in a batch of up to 8
+    kw = {"max_tokens": 8, "max_num_seqs": 8, "max_model_len": 256}
+    result = simulate("static", cost, kv_blocks(model, gpu, 1, 16, eff), jobs, **kw)
+    assert result.completed == 2
+    assert result.latency_p50_s < 1.0  # served on arrival, not once a batch of 8 filled
+
+
+def test_ft_aligned_batches_cost_their_longest_prompt_in_steps() -> None:
+    """FT's first step runs every member at the shortest prompt: a short prompt beside a long
+    one makes the batch run (long - short) more steps than its outputs need."""
+    model, gpu, eff = MODELS["gpt3-13b"], GPUS["a100-40gb"], Efficiency()
+    cost = cost_model(model, gpu, 1, eff)
+    jobs = [(0.0, 32, 4), (0.0, 512, 4)]
+    kw = {"max_tokens": 8, "max_num_seqs": 2, "max_model_len": 640}
+    blocks = kv_blocks(model, gpu, 1, 16, eff)
+    plain = simulate("static", cost, blocks, jobs, **kw)
+    aligned = simulate("static", cost, blocks, jobs, options={"align_prompts": True}, **kw)
+    step = cost.iteration_time(2, 0)
+    assert aligned.duration_s - plain.duration_s == pytest.approx(480 * step, rel=0.1)
+
+
+def test_a_slower_engine_scales_every_step() -> None:
+    cost = cost_model(MODELS["gpt3-175b"], GPUS["a100-40gb"], 8, Efficiency(), pp=2)
+    for tokens, context, seqs in ((1, 300, 1), (8, 4000, 8), (2000, 0, 4)):
+        base = cost.iteration_time(tokens, context, seqs)
+        assert slower(cost, 1.47).iteration_time(tokens, context, seqs) == pytest.approx(
+            1.47 * base
+        )

@@ -16,7 +16,6 @@ urgent decode first, and out of KV blocks the one with the most slack is preempt
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -67,7 +66,7 @@ class EdfScheduler(OrcaScheduler):
     options: EdfOptions
 
     def deadline(self, seq: Sequence) -> float:
-        """When the first token is due (monotonic seconds)."""
+        """When the first token is due (seconds on `self.clock`)."""
         deadline_ms = seq.sampling_params.deadline_ms or self.options.edf_ttft_slo_ms
         return seq.arrival_time + deadline_ms / 1000
 
@@ -82,7 +81,7 @@ class EdfScheduler(OrcaScheduler):
         return seq.first_scheduled_time is None and now > self.deadline(seq)
 
     def _schedule(self, batch: Batch) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self.options.edf_tpot_slo_ms:
             self.running.sort(key=self.next_token_deadline)
         self.waiting = type(self.waiting)(sorted(self.waiting, key=lambda s: self._key(s, now)))

@@ -19,7 +19,6 @@ no more urgent one waits: under a sustained urgent stream it can wait indefinite
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from schedulers.batch import Batch
@@ -53,7 +52,7 @@ class PriorityScheduler(OrcaScheduler):
     options: PriorityOptions
 
     def _schedule(self, batch: Batch) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.running.sort(key=lambda s: self._key(s, now))
         self.waiting = type(self.waiting)(sorted(self.waiting, key=lambda s: self._key(s, now)))
         self._make_room(batch, now)

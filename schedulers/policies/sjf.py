@@ -13,7 +13,6 @@ the time to drain the overdue ones ahead of it. Preempted sequences go first, as
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -126,7 +125,7 @@ class SjfScheduler(OrcaScheduler):
         return self.predicted_service(seq)
 
     def _schedule(self, batch: Batch) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.waiting = type(self.waiting)(sorted(self.waiting, key=lambda s: self._key(s, now)))
         super()._schedule(batch)
 

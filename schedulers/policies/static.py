@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,14 @@ class StaticOptions:
     num_microbatches: int = field(
         default=1,
         metadata={"help": "static: microbatches a batch is cut into (a pipelined backend's)"},
+    )
+    align_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "static: a batch's first step prefills each member only up to the "
+            "shortest prompt in it, the rest of longer prompts one token per step "
+            "(FasterTransformer's batches)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -52,6 +59,9 @@ class StaticScheduler(Scheduler):
     stays empty until the whole batch is done. The later choices of an `n > 1` request start
     once their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
     `num_microbatches` is for a pipelined backend (backends/sim_plan.py reads it).
+    `align_prompts` runs a batch as FasterTransformer does (Yu et al., OSDI '22, section 6.2):
+    its first step takes every member as if its prompt were the batch's shortest, and a longer
+    member feeds the rest of its prompt one token per step before its first output token.
     """
 
     Options = StaticOptions
@@ -69,6 +79,8 @@ class StaticScheduler(Scheduler):
         super().__init__(config, block_manager, options)
         #: members reserved at formation that start once their leader has cached the prompt
         self._followers: list[Sequence] = []
+        #: with `align_prompts`: the shortest prompt of the running batch
+        self._aligned_len = 0
 
     def _schedule(self, batch: Batch) -> None:
         if not self.running:
@@ -82,17 +94,25 @@ class StaticScheduler(Scheduler):
                 break
             if seq in self._followers:
                 continue
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = min(self._step_tokens(seq), budget)
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_tokens)
             batch.add(seq, num_tokens)
             budget -= num_tokens
+
+    def _step_tokens(self, seq: Sequence) -> int:
+        """What `seq` runs this step: the rest of its prompt, or with `align_prompts` up to
+        the batch's shortest prompt and then one token per step."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if not self.options.align_prompts:
+            return remaining
+        return min(remaining, max(1, self._aligned_len - seq.num_computed_tokens))
 
     def _ready_to_form(self) -> bool:
         if not self.waiting:
             return False
         if len(self.waiting) >= self.batch_size_limit:
             return True
-        return time.monotonic() >= self._form_deadline()
+        return self.clock() >= self._form_deadline()
 
     def _form_deadline(self) -> float:
         """When the oldest waiting request stops waiting for the batch to fill."""
@@ -122,6 +142,7 @@ class StaticScheduler(Scheduler):
             else:
                 self.admit(seq, hit, 0, batch)
             free_blocks -= reserve
+        self._aligned_len = min((len(s.prompt_token_ids) for s in self.running), default=0)
 
     def _start_followers(self, batch: Batch) -> None:
         """Start the later choices whose leader has now cached the prompt, from its blocks
