@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -44,6 +44,25 @@ def carousel_serve(args: list[str], folder: Path, name: str = "serve") -> Iterat
     """`carousel serve ARGS` from `folder` on a free loopback port, with this checkout's code
     first on the path (not whatever the venv's editable install points at) and no CAROUSEL_*
     variables of the test run; yields its URL; its output goes to `folder/NAME.log`."""
+    with carousel_serves([(args, name)], folder) as (url,):
+        yield url
+
+
+@contextmanager
+def carousel_serves(runs: list[tuple[list[str], str]], folder: Path) -> Iterator[list[str]]:
+    """Several `carousel serve ARGS` processes (as `carousel_serve`, each `(ARGS, NAME)`),
+    started together so their start-ups overlap; yields their URLs once all are healthy."""
+    with ExitStack() as stack:
+        started = [stack.enter_context(_serve_process(args, folder, name)) for args, name in runs]
+        for proc, url, log_path in started:
+            wait_healthy(proc, url, log_path)
+        yield [url for _, url, _ in started]
+
+
+@contextmanager
+def _serve_process(
+    args: list[str], folder: Path, name: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     port = free_port()
     command = [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
@@ -51,14 +70,19 @@ def carousel_serve(args: list[str], folder: Path, name: str = "serve") -> Iterat
     log_path = folder / f"{name}.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(proc, url, log_path)
-            yield url
+            yield proc, f"http://127.0.0.1:{port}", log_path
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 15) -> None:
+    """Stop `proc` by its pid: SIGINT (a clean stop), then kill if it is still running."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
