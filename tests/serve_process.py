@@ -1,5 +1,5 @@
-"""`carousel serve` as a real process for end-to-end tests: a free loopback port, the health
-wait, and a stop by its own pid (SIGINT, then kill)."""
+"""`carousel serve` (and `carousel bench`) as real processes for end-to-end tests: a free
+loopback port, the health wait, and a stop by its own pid (SIGINT, then kill)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -39,6 +40,14 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: 
         time.sleep(0.1)
 
 
+class Served(NamedTuple):
+    """One `carousel serve` process: its handle (for its pid), its URL and its log."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
 @contextmanager
 def carousel_serve(args: list[str], folder: Path, name: str = "serve") -> Iterator[str]:
     """`carousel serve ARGS` from `folder` on a free loopback port, with this checkout's code
@@ -52,26 +61,40 @@ def carousel_serve(args: list[str], folder: Path, name: str = "serve") -> Iterat
 def carousel_serves(runs: list[tuple[list[str], str]], folder: Path) -> Iterator[list[str]]:
     """Several `carousel serve ARGS` processes (as `carousel_serve`, each `(ARGS, NAME)`),
     started together so their start-ups overlap; yields their URLs once all are healthy."""
-    with ExitStack() as stack:
-        started = [stack.enter_context(_serve_process(args, folder, name)) for args, name in runs]
-        for proc, url, log_path in started:
-            wait_healthy(proc, url, log_path)
-        yield [url for _, url, _ in started]
+    with serve_processes(runs, folder) as served:
+        yield [s.url for s in served]
 
 
 @contextmanager
-def _serve_process(
-    args: list[str], folder: Path, name: str
-) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    port = free_port()
-    command = [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(port)]
+def serve_processes(runs: list[tuple[list[str], str]], folder: Path) -> Iterator[list[Served]]:
+    """As `carousel_serves`, yielding each process too (a test that kills one by its pid)."""
+    with ExitStack() as stack:
+        served = []
+        for args, name in runs:
+            port = free_port()
+            command = ["serve", *args, "--port", str(port)]
+            proc = stack.enter_context(carousel_process(command, folder, name))
+            served.append(Served(proc, f"http://127.0.0.1:{port}", folder / f"{name}.log"))
+        for proc, url, log in served:
+            wait_healthy(proc, url, log)
+        yield served
+
+
+@contextmanager
+def carousel_process(
+    command: list[str], folder: Path, name: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`python -m gateway.cli COMMAND` from `folder`, this checkout first on the path and no
+    CAROUSEL_* variables of the test run, its output in `folder/NAME.log`; stopped at exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    log_path = folder / f"{name}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with (folder / f"{name}.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *command],
+            cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
         try:
-            yield proc, f"http://127.0.0.1:{port}", log_path
+            yield proc
         finally:
             stop(proc)
 

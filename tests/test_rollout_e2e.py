@@ -17,17 +17,15 @@ its clean stop) once the rollout is final.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.serve_process import ROOT, carousel_serve, carousel_serves, stop
+from tests.serve_process import carousel_process, carousel_serve, carousel_serves, stop
 
 #: the baseline's and the 3x slower arm's `--sim-time-scale`
 FAST, SLOW = 5.0, 15.0
@@ -59,29 +57,23 @@ rollout:
 """
 
 
-def _bench(url: str, folder: Path, log: IO[str]) -> subprocess.Popen[bytes]:
-    """`carousel bench` (this checkout's, as a process) streaming chat requests to the gateway
-    from CONCURRENCY users, more than any rollout here needs; stopped once the rollout is final."""
-    command = [
-        sys.executable, "-m", "gateway.cli", "bench", "--url", f"{url}/v1", "--model", "sim",
+def bench_load(url: str, model: str, folder: Path, name: str = "bench") -> list[str]:
+    """`carousel bench` arguments: streamed chat requests to `url` from CONCURRENCY users, more
+    than any rollout here needs (the test stops it, by SIGINT, once the rollout is final)."""
+    return [
+        "bench", "--url", f"{url}/v1", "--model", model,
         "--num-requests", str(MAX_REQUESTS), "--max-concurrency", str(CONCURRENCY),
         "--input-len", "fixed:4", "--output-len", "fixed:8", "--warmups", "0",
-        "--no-trace", "--no-progress", "--out", str(folder / "bench"),
+        "--no-trace", "--no-progress", "--out", str(folder / name),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _drive(url: str, folder: Path, deadline_s: float) -> dict[str, Any]:
     """`carousel bench` load on the gateway until the rollout is final or the deadline passes;
     the last status."""
-    with (folder / "bench.log").open("w") as out:
-        bench = _bench(url, folder, out)
-        try:
-            status = _watch(url, bench, deadline_s)
-        finally:
-            stop(bench)  # SIGINT: bench's clean stop, its in-flight requests cancelled
+    with carousel_process(bench_load(url, "sim", folder), folder, "bench") as bench:
+        status = _watch(url, bench, deadline_s)
+        stop(bench)  # SIGINT: bench's clean stop, its in-flight requests cancelled
     bench_log = (folder / "bench.log").read_text()
     assert bench.returncode in (0, 130), bench_log  # 130: stopped at the decision
     assert "Requests ok / failed" in bench_log, bench_log  # its report covers what it sent
