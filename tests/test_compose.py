@@ -16,6 +16,7 @@ No Docker engine runs where these tests run, so the stack is checked in three wa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -36,7 +37,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.app import create_app
+from gateway.arms.deployment import Deployment
 from gateway.settings.groups import torch_only_defaults
+from gateway.settings.load import Settings
+from tests.conftest import serve_app, sim_arm
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -46,6 +51,8 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "carousel-ab.json"
 PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
+GATEWAY_YAML = DEPLOY / "gateway.yaml"
+SMOKE_CHECKS = ROOT / "scripts" / "compose_smoke.py"
 
 MODEL = "smollm2-135m-instruct"
 ARMS = ("orca", "static")
@@ -53,6 +60,12 @@ CAROUSEL_SERVICES = ("gateway", "engine-orca", "engine-static")
 PUBLISHED = {"gateway": 8000, "grafana": 3000, "prometheus": 9090}
 CONTAINER_PORT = 8000  # every Carousel service listens on 8000 inside the network
 
+#: a rollout's series (gateway/rollout/controller.py), exported only while one runs
+ROLLOUT_METRICS = {
+    "carousel_rollout_step",
+    "carousel_rollout_arm_weight",
+    "carousel_rollout_decisions_total",
+}
 #: the metric families Carousel exports; histograms add _bucket/_sum/_count
 CAROUSEL_METRICS = {
     "carousel_requests_total",
@@ -69,7 +82,7 @@ CAROUSEL_METRICS = {
     "carousel_num_preemptions_total",
     "carousel_iteration_batch_size",
     "carousel_iteration_tokens",
-}
+} | ROLLOUT_METRICS
 #: what the dashboard must show to compare the arms
 DASHBOARD_MUST_SHOW = {
     "carousel_time_to_first_token_seconds",
@@ -79,7 +92,7 @@ DASHBOARD_MUST_SHOW = {
     "carousel_kv_cache_usage_perc",
     "carousel_num_requests_running",
     "carousel_num_requests_waiting",
-}
+} | ROLLOUT_METRICS
 
 #: how long a stack process may live at most, even if this test process dies without teardown
 PROCESS_LIFETIME_S = 240
@@ -695,12 +708,64 @@ def test_grafana_provisioning_and_dashboard() -> None:
         job = query_job(expr)
         matched = {j for j in prometheus_jobs if re.fullmatch(job, j)}
         assert matched in ({"gateway"}, {"engine-orca", "engine-static"}), expr
-        # request-level series: the gateway's, per arm; engine series: per Prometheus job
-        if matched == {"gateway"} and "carousel_requests_total" not in expr:
+        # request-level series: the gateway's, per arm; engine series: per Prometheus job;
+        # a rollout's: its step, each arm's weight, its decisions by kind
+        if names <= ROLLOUT_METRICS:
+            assert re.search(r"by \((arm|kind)\)", expr) or names == {"carousel_rollout_step"}
+        elif matched == {"gateway"} and "carousel_requests_total" not in expr:
             assert re.search(r"by \((le, )?arm\)", expr), expr
         elif matched != {"gateway"}:
             assert re.search(r"by \((le, )?job\)", expr), expr
     assert used >= DASHBOARD_MUST_SHOW, f"dashboard lacks {DASHBOARD_MUST_SHOW - used}"
+
+
+def rollout_queries() -> list[str]:
+    """The dashboard's queries of a rollout's series (those the smoke checks live only when
+    deploy/gateway.yaml has a `rollout:`)."""
+    return [e for e in dashboard_queries() if query_metrics(e) <= ROLLOUT_METRICS]
+
+
+def test_the_smoke_tells_the_rollout_panels_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("compose_smoke", SMOKE_CHECKS)
+    assert spec is not None and spec.loader is not None
+    smoke = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "compose_smoke", smoke)  # its dataclasses look it up
+    spec.loader.exec_module(smoke)
+    dashboard = json.loads(DASHBOARD.read_text())
+    flagged = [p for p in _panels(dashboard["panels"]) if smoke.needs_a_rollout(p)]
+    assert [t["expr"] for p in flagged for t in p["targets"]] == rollout_queries()
+    assert len(flagged) == 3 and "rollout" not in yaml.safe_load(GATEWAY_YAML.read_text())
+
+
+def test_the_rollout_panels_read_what_a_gateway_with_a_rollout_exports() -> None:
+    """What the smoke cannot check on the compose stack (it runs no rollout): every rollout
+    panel's metrics in a live scrape of a gateway running one, with a series for each arm
+    and each decision kind before the first decision."""
+    upstream = {"base_urls": ["http://127.0.0.1:9/v1"], "model": "x"}
+    settings = Settings(
+        backend="sim",
+        served_model_name="m",
+        arms=[{"name": n, "upstream": upstream} for n in ("orca", "static")],  # type: ignore[misc]
+        rollout={"baseline": "orca", "candidate": "static"},  # type: ignore[arg-type]
+    )
+    deployment = Deployment("m", [sim_arm(scheduler="orca"), sim_arm(scheduler="static")])
+    with serve_app(create_app(settings, [deployment])) as url:
+        scrape = list(scrape_samples(httpx.get(f"{url}/metrics", timeout=10).text))
+    names = {name for name, _ in scrape}
+    for expr in rollout_queries():
+        assert set(re.findall(r"\bcarousel_[a-z0-9_]+", expr)) <= names, expr
+    weights = {labels["arm"] for name, labels in scrape if name == "carousel_rollout_arm_weight"}
+    kinds = {
+        labels["kind"] for name, labels in scrape if name == "carousel_rollout_decisions_total"
+    }
+    assert weights == {"orca", "static"}
+    assert kinds == {"advance", "rollback", "promote", "hold", "pause", "resume", "abort"}
+
+
+def scrape_samples(text: str) -> Iterator[tuple[str, dict[str, str]]]:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels
 
 
 def test_every_service_has_a_healthcheck_and_waits_for_healthy_dependencies() -> None:
@@ -976,7 +1041,8 @@ def test_stack_exports_what_the_dashboard_queries(stack: dict[str, LocalService]
         assert response.status_code == 200, response.text
     exported = {name: set(_scrape(svc.url)) for name, svc in stack.items()}
     missing = []
-    for expr in dashboard_queries():
+    # the rollout's series need a rollout: test_the_rollout_panels_read_what_a_gateway_...
+    for expr in set(dashboard_queries()) - set(rollout_queries()):
         job = query_job(expr)
         targets = [name for name in CAROUSEL_SERVICES if re.fullmatch(job, name)]
         for family in query_metrics(expr):

@@ -9,7 +9,9 @@ CAROUSEL_SMOKE_BREAK (engine-unreachable, arm-missing, unhealthy) to watch it fa
 The smoke's checks (scripts/compose_smoke.py) also run without containers, on every test run:
 against the compose services started as loopback processes with the sim backend (the
 `stack` fixture of tests/test_compose.py), where they must pass, and fail when an arm gets
-no traffic or the gateway's counts disagree with what was sent.
+no traffic or the gateway's counts disagree with what was sent; the dashboard check against
+live scrapes of those services and a stand-in Prometheus (which answers every query), where it
+must pass and leave the rollout panels alone (the stack runs no rollout).
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
-from tests.test_compose import LocalService, stack  # noqa: F401  (a fixture, used below)
+from tests.conftest import serve_app
+from tests.test_compose import ARMS, MODEL, LocalService, stack  # noqa: F401  (a fixture, used below)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compose-smoke.sh"
 CHECKS = ROOT / "scripts" / "compose_smoke.py"
+#: the Carousel services Prometheus scrapes (deploy/prometheus/prometheus.yml)
+JOBS = ("gateway", "engine-orca", "engine-static")
 #: the whole smoke: builds (cached after the first), three model loads on two cores, checks
 SMOKE_TIMEOUT_S = 3000
 
@@ -101,6 +108,49 @@ def test_smoke_checks_on_the_compose_services_run_locally(
     done = run_checks(*metrics, "--baseline", str(before))
     assert done.returncode == 1
     assert "grew by 5, but the smoke sent that arm 6 requests" in done.stderr
+
+
+def stand_in_prometheus() -> FastAPI:
+    """Answers every query with a series per arm and per Carousel job, and the served model
+    as the `model` label's values: the dashboard check's own logic is what is under test."""
+    app = FastAPI()
+    series = [{"metric": {"arm": a, "job": j}, "value": [0, "1"]} for a in ARMS for j in JOBS]
+
+    @app.get("/api/v1/query")
+    def query(query: str) -> dict[str, Any]:
+        return {"status": "success", "data": {"resultType": "vector", "result": series}}
+
+    @app.get("/api/v1/label/{label}/values")
+    def values(label: str) -> dict[str, Any]:
+        return {"status": "success", "data": [MODEL]}
+
+    return app
+
+
+@pytest.mark.timeout(400)
+def test_the_dashboard_check_reads_live_scrapes_and_leaves_rollout_panels_without_a_rollout(
+    stack: dict[str, LocalService],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    for arm in ARMS:  # every arm and engine has streamed something (TTFT needs a stream)
+        body = {
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True,
+        }  # fmt: skip
+        headers = {"X-Carousel-Arm": arm}
+        reply = httpx.post(
+            f"{stack['gateway'].url}/v1/chat/completions", json=body, headers=headers, timeout=60
+        )
+        assert reply.status_code == 200, reply.text
+    scrapes = []
+    for job in JOBS:
+        path = tmp_path / f"{job}.txt"
+        path.write_text(httpx.get(f"{stack[job].url}/metrics", timeout=10).text)
+        scrapes += ["--scrape", f"{job}={path}"]
+    with serve_app(stand_in_prometheus(), ready_path=None) as prometheus:
+        done = run_checks("dashboard", "--prometheus", prometheus, *scrapes)
+    assert done.returncode == 0, done.stderr
+    assert "3 rollout panels not checked live: gateway.yaml has no `rollout:`" in done.stdout
 
 
 def test_bad_break_knob_is_refused_before_anything_starts() -> None:

@@ -181,6 +181,8 @@ def test_replicas_share_one_rollout_and_a_survivor_finishes_it(redis_url: str) -
     decisions = second.state.decisions
     assert [d["kind"] for d in decisions] == ["advance"] * 3
     assert [d["share"] for d in decisions] == [5, 25, 50]
+    assert [d["replica"] for d in decisions[1:]] == [second.owner] * 2  # after `first` died
+    assert second.status()["decider"] == second.status()["replica"] == second.owner
     restarted, arms = controller(RedisRolloutStore(redis_url, prefix))
     assert restarted.state.status == "promoted" and weights(arms)["sjf"] == 100
 

@@ -9,27 +9,30 @@ earlier attempt with the example's block never decided in 80 s): steps [50, 100]
 candidate gets half the traffic at once, and one advance is the promotion), a *paired* TTFT
 p50 guardrail rather than a p99 one (a tail guardrail scores no candidate request before the
 baseline has 500 samples in the step, gateway/rollout/evidence.py), and a small
-`min_requests`. The requests stream: an upstream arm learns a request's TTFT only from a
-streamed reply, so unstreamed traffic gives the TTFT tests no samples at all.
+`min_requests`. The load is `carousel bench` (this checkout's, as a process), as the issue asks:
+its requests stream, and an upstream arm learns a request's TTFT only from a streamed reply, so
+unstreamed traffic would give the TTFT tests no samples at all. The bench is stopped (SIGINT,
+its clean stop) once the rollout is final.
 """
 
 from __future__ import annotations
 
-import asyncio
+import subprocess
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.serve_process import carousel_serve
+from tests.serve_process import carousel_process, carousel_serve, carousel_serves, stop
 
 #: the baseline's and the 3x slower arm's `--sim-time-scale`
 FAST, SLOW = 5.0, 15.0
 DEADLINE_S = 40.0
 CONCURRENCY = 4
+#: bench's --num-requests: an upper bound, the bench is stopped at the decision
+MAX_REQUESTS = 2000
 
 
 def _sim_args(time_scale: float) -> list[str]:
@@ -54,60 +57,53 @@ rollout:
 """
 
 
-async def _drive(url: str, deadline_s: float) -> tuple[dict[str, Any], int]:
-    """Streamed chat requests from CONCURRENCY users until the rollout is final or the
-    deadline passes; the last status and the number of requests sent."""
-    sent = 0
-    done = asyncio.Event()
-    status: dict[str, Any] = {}
+def bench_load(url: str, model: str, folder: Path, name: str = "bench") -> list[str]:
+    """`carousel bench` arguments: streamed chat requests to `url` from CONCURRENCY users, more
+    than any rollout here needs (the test stops it, by SIGINT, once the rollout is final)."""
+    return [
+        "bench", "--url", f"{url}/v1", "--model", model,
+        "--num-requests", str(MAX_REQUESTS), "--max-concurrency", str(CONCURRENCY),
+        "--input-len", "fixed:4", "--output-len", "fixed:8", "--warmups", "0",
+        "--no-trace", "--no-progress", "--out", str(folder / name),
+    ]  # fmt: skip
 
-    async def user(client: httpx.AsyncClient, index: int) -> None:
-        nonlocal sent
-        while not done.is_set():
-            body = {
-                "model": "sim",
-                "messages": [{"role": "user", "content": f"hello {index} {sent}"}],
-                "max_tokens": 8,
-                "stream": True,
-            }
-            sent += 1
-            async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
-                assert reply.status_code == 200, await reply.aread()
-                async for _ in reply.aiter_lines():
-                    pass
 
-    async def watch(client: httpx.AsyncClient) -> None:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            status.update((await client.get(f"{url}/admin/rollout")).json())
-            if status["status"] in ("rolled_back", "promoted"):
-                break
-            await asyncio.sleep(0.5)
-        done.set()
+def _drive(url: str, folder: Path, deadline_s: float) -> dict[str, Any]:
+    """`carousel bench` load on the gateway until the rollout is final or the deadline passes;
+    the last status."""
+    with carousel_process(bench_load(url, "sim", folder), folder, "bench") as bench:
+        status = _watch(url, bench, deadline_s)
+        stop(bench)  # SIGINT: bench's clean stop, its in-flight requests cancelled
+    bench_log = (folder / "bench.log").read_text()
+    assert bench.returncode in (0, 130), bench_log  # 130: stopped at the decision
+    assert "Requests ok / failed" in bench_log, bench_log  # its report covers what it sent
+    return status
 
-    async with httpx.AsyncClient(timeout=30) as client:
-        await asyncio.gather(watch(client), *(user(client, i) for i in range(CONCURRENCY)))
-    return status, sent
+
+def _watch(url: str, bench: subprocess.Popen[bytes], deadline_s: float) -> dict[str, Any]:
+    """The rollout's status, polled until it is final, bench ends or the deadline passes."""
+    end = time.monotonic() + deadline_s
+    while True:
+        status: dict[str, Any] = httpx.get(f"{url}/admin/rollout", timeout=10).json()
+        final = status["status"] in ("rolled_back", "promoted")
+        if final or bench.poll() is not None or time.monotonic() > end:
+            return status
+        time.sleep(0.5)
 
 
 def _rollout(tmp_path: Path, baseline_scale: float, candidate_scale: float) -> dict[str, Any]:
     """Run the rollout between two sim processes under load; its final status."""
-    with ExitStack() as stack:
-        baseline = stack.enter_context(
-            carousel_serve(_sim_args(baseline_scale), tmp_path, "baseline")
-        )
-        candidate = stack.enter_context(
-            carousel_serve(_sim_args(candidate_scale), tmp_path, "candidate")
-        )
+    arms = [(_sim_args(baseline_scale), "baseline"), (_sim_args(candidate_scale), "candidate")]
+    with carousel_serves(arms, tmp_path) as (baseline, candidate):
         config = tmp_path / "rollout.yaml"
         config.write_text(ROLLOUT_YAML.format(baseline=baseline, candidate=candidate))
-        gateway = stack.enter_context(
-            carousel_serve(["--config", str(config)], tmp_path, "gateway")
-        )
-        began = time.monotonic()
-        status, sent = asyncio.run(_drive(gateway, DEADLINE_S))
-        print(f"{status['status']} after {sent} requests, {time.monotonic() - began:.1f} s")
-        return status
+        with carousel_serve(["--config", str(config)], tmp_path, "gateway") as gateway:
+            began = time.monotonic()
+            status = _drive(gateway, tmp_path, DEADLINE_S)
+            took = time.monotonic() - began
+    n = status["decisions"][-1]["n"] if status["decisions"] else status["n"]
+    print(f"{status['status']} at n={n} (requests per arm in the step), {took:.1f} s of load")
+    return status
 
 
 @pytest.mark.slow

@@ -43,6 +43,8 @@ FINAL: tuple[Status, ...] = ("rolled_back", "promoted", "aborted")
 SYNC_EVERY = 20
 #: the decider's lease, renewed at every sync
 LEASE_S = 10.0
+#: what a logged decision may be: the rule's, then an operator's
+DECISION_KINDS = ("advance", "rollback", "promote", "hold", "pause", "resume", "abort")
 
 
 class WeightedArm(Protocol):
@@ -105,6 +107,12 @@ class RolloutMetrics:
             registry=registry,
         )  # fmt: skip
 
+    def start(self, model: str) -> None:
+        """Every decision kind's counter at 0 from the start, so a dashboard's query and a
+        rate over it have a series before the first decision."""
+        for kind in DECISION_KINDS:
+            self.decisions.labels(model, kind)
+
 
 class RolloutController:
     """Drives one deployment's rollout (see the module docstring)."""
@@ -136,6 +144,8 @@ class RolloutController:
         self.observer = StepObserver(self.spec)
         self.pending = Tally()
         self._unsynced = 0
+        if metrics is not None:
+            metrics.start(model)
         self.apply_weights()
 
     @property
@@ -223,6 +233,7 @@ class RolloutController:
             "time": self.clock(),
             "kind": kind,
             "reason": reason,
+            "replica": self.owner,
             "step": state.step,
             "share": self.share,
             "n": dict(state.tally.requests),
@@ -287,6 +298,8 @@ class RolloutController:
             "baseline": self.settings.baseline,
             "candidate": self.settings.candidate,
             "status": self.state.status,
+            "replica": self.owner,
+            "decider": self.store.lease_holder(),
             "step": self.state.step,
             "steps": self.settings.steps,
             "candidate_share": self.share,

@@ -8,7 +8,7 @@ Two kinds of data, written differently:
 
 `lease(owner, ttl_s)`: one decider at a time. The holder renews it at every sync; when it dies
 the lease expires and another replica's next sync takes it over, reading the same state and
-tally, so no step is skipped or repeated.
+tally, so no step is skipped or repeated. `lease_holder()`: whose it is now (None: nobody's).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class RolloutStore(Protocol):
 
     def lease(self, owner: str, ttl_s: float) -> bool: ...
 
+    def lease_holder(self) -> str | None: ...
+
 
 class MemoryRolloutStore:
     """The state for this process's life (one replica, the lease always its own)."""
@@ -41,6 +43,7 @@ class MemoryRolloutStore:
     def __init__(self) -> None:
         self._state: dict[str, Any] | None = None
         self._tallies: dict[int, Tally] = {}
+        self._holder: str | None = None
 
     def load(self) -> dict[str, Any] | None:
         return None if self._state is None else json.loads(json.dumps(self._state))
@@ -57,7 +60,11 @@ class MemoryRolloutStore:
         return merged
 
     def lease(self, owner: str, ttl_s: float) -> bool:
+        self._holder = owner
         return True
+
+    def lease_holder(self) -> str | None:
+        return self._holder
 
 
 class FileRolloutStore(MemoryRolloutStore):
@@ -145,6 +152,10 @@ class RedisRolloutStore:
             ttl_ms,
         )
         return bool(renewed)
+
+    def lease_holder(self) -> str | None:
+        holder = self.redis.get(f"{self.prefix}:lease")
+        return None if holder is None else str(holder)
 
 
 def open_store(where: str | None, model: str) -> RolloutStore:
