@@ -6,17 +6,19 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from backends.upstream import UpstreamConfig
 from bench.cli import main
 from bench.fake_server import FakeOptions, fake_server
 from gateway.app import create_app
 from gateway.arms.deployment import Deployment
+from gateway.arms.upstream import UpstreamArm
 from gateway.settings.load import Settings
-from tests.conftest import SIM_MODEL, serve_app, sim_arm
+from tests.conftest import SIM_MODEL, LiveServer, serve_app, sim_arm
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +86,28 @@ def test_the_answer_is_printed_for_another_openai_server(
     assert_answer_in(capsys.readouterr().out, ["static", "orca"], 8)
 
 
+def test_the_answer_is_printed_for_a_local_arm_against_an_upstream_carousel(
+    make_server: Callable[..., LiveServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    remote = make_server(sim_arm(scheduler="orca", time_scale=0.01))
+    here = sim_arm(scheduler="static", time_scale=0.01)
+    here.name = "static"
+    upstream = UpstreamArm("remote", UpstreamConfig(base_urls=(remote.v1,), model=SIM_MODEL))
+    upstream.weight = 0.0
+    upstream.pinnable = True
+    app = create_app(
+        Settings(backend="sim", served_model_name="front"),
+        [Deployment("front", [here, upstream])],
+    )
+    with serve_app(app) as url:
+        argv = bench(url, tmp_path, "--arm", "static", "--arm", "remote", "--slo", "ttft=10s")
+        assert main(argv) == 0
+    assert_answer_in(capsys.readouterr().out, ["static", "remote"], 8)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["model"] == "front"
+    assert [r["metrics"]["completed"] for r in report["runs"]] == [8, 8]
+
+
 def test_an_endpoint_refusing_ignore_eos_is_adapted_to_and_said(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -138,46 +162,3 @@ def test_a_missing_bench_extra_is_caught_before_anything_is_sent(
     err = capsys.readouterr().err
     assert "no scipy" in err and "pip install 'carousel-serve[bench]'" in err
     assert seen == [] and opts.probes == []
-
-
-ROOT = Path(__file__).resolve().parents[1]
-#: the forms of bench/verdict.py's sentences, numbers and verbs left open
-SENTENCE_FORMS = (
-    r"\S+ (raises|lowers) (?P<label>.+?) by [\d.]+% \((95% CI [\d.]+%-[\d.]+%|.+)\)",
-    r"inconclusive on (?P<label>.+?): .+",
-    r"no (significant )?difference in (?P<label>.+?) \(.+\)",
-)
-
-
-def verdict_of(text: str) -> tuple[str, list[tuple[str, str]]]:
-    """The verdict's header (numbers out) and its (mark, metric label) lines, from output."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Verdict @"))
-    header = re.sub(r"@ \S+ req/s", "@ R req/s", lines[start])
-    rows = []
-    for line in lines[start + 1 :]:
-        if not line.startswith("  "):
-            break
-        mark, sentence = line[:8].strip(), line[10:]
-        match = next(m for form in SENTENCE_FORMS if (m := re.fullmatch(form, sentence)))
-        rows.append((mark, match["label"]))
-    return header, rows
-
-
-def test_the_readme_verdict_has_the_shape_of_a_real_run(
-    carousel: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("```text\nVerdict @", 1)[1].split("```", 1)[0]
-    header, rows = verdict_of("Verdict @" + block)
-    argv = bench(carousel, tmp_path, "--arm", "static", "--arm", "orca", "--seed", "1",
-                 "--num-prompts", "24", "--input-len", "uniform:16:64",
-                 "--output-len", "heavy-tail")  # fmt: skip
-    assert main(argv) == 0
-    real_header, real_rows = verdict_of(capsys.readouterr().out)
-    assert header == real_header
-    labels = [label for _, label in real_rows]
-    assert [label for _, label in rows] == sorted(
-        (label for _, label in rows), key=labels.index
-    )  # the README's lines are some of a run's, in its order
-    assert all(mark in ("better", "worse", "") for mark, _ in rows)
