@@ -136,8 +136,8 @@ class SchedulerSettings(BaseModel):
 
     scheduler: str = Field(
         "orca",
-        description="batching policy: orca, static, lpm, priority, another registered name, or "
-        "package.module:ClassName (default: orca)",
+        description="batching policy: orca, static, lpm, priority, sjf, hrrn, edf, fair, another "
+        "registered name, or package.module:ClassName (default: orca)",
     )
     max_num_seqs: int = Field(32, ge=1, description="most sequences in one batch")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one iteration")
