@@ -314,7 +314,7 @@ def record_verdict(
     metrics = [METRICS_BY_KEY[k] for k in RECORD_METRICS]
     return compare_runs(
         base, [samples[0]], arm, [samples[1]], slo_active=slo.active, rng=rng,
-        num_resamples=num_resamples, paired=False, metrics=metrics,
+        num_resamples=num_resamples, paired=False, metrics=metrics, simultaneous=True,
     )  # fmt: skip
 
 

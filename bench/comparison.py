@@ -90,6 +90,13 @@ def verdict_markdown(entries: list[dict[str, Any]], rate_text: Callable[[Any], s
         "inside the margin (two one-sided tests); inconclusive when neither.",
         "",
     ]
+    if not first.get("replicated", True):
+        lines += [
+            "**One run per arm**: run-to-run variation is unmeasured (the load of the machine "
+            "during a run shifts all of its requests), so every outcome is inconclusive; "
+            "rerun with `--repeats 3` or more.",
+            "",
+        ]
     groups: dict[tuple[Any, str], list[dict[str, Any]]] = {}
     for entry in entries:
         groups.setdefault((entry["rate"], entry["arm"]), []).append(entry)

@@ -16,8 +16,16 @@ Intervals are *expanded* percentile intervals of the replicates (Hesterberg, "Wh
 should know about the bootstrap", 2015): the percentile interval at a level widened so that, for
 a mean, it matches Student's t with `num_units - 1` degrees of freedom and the sqrt(n / (n - 1))
 variance correction, where the units are what the outer level resamples (requests, or runs with
-`--repeats`). With hundreds of requests this changes nothing visible; with 5 runs it is what keeps
-the false-alarm rate near 5% (a plain percentile interval over 5 runs flags about 15%).
+`--repeats`). With hundreds of requests this changes nothing visible.
+
+Few runs (`interval`): below `MIN_PERCENTILE_UNITS` outer units the percentiles cannot be read
+that far out, since no resample reaches past the most extreme run. With 3 runs whose paired
+differences share a sign (one time in four under drift alone) the percentile interval excludes
+0: on runs drifting by 20% (sd), 200 A/A pairs of 200 requests a run, it flagged 32% of them
+at 2 runs, 20% at 3, 7.5% at 5 and 3.5% at 8. There the interval is the estimate +- Student's t
+quantile times the replicates' standard deviation, with the same sqrt(n / (n - 1)) correction
+(for a mean of runs, the paired t interval), made on log(ratio) for a relative difference: it
+flagged 0%, 1.5%, 3% and 3% (tests/test_bench_equivalence.py checks 3 runs).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+#: with fewer outer units (runs) than this, `interval` is `t_interval`, not the percentiles
+MIN_PERCENTILE_UNITS = 10
 #: a weight-matrix block stays under this many cells (memory for pooled per-token gaps)
 MAX_BLOCK_CELLS = 4_000_000
 #: above this many values a quantile is searched block by block (`_blocked_quantile`)
@@ -189,6 +199,49 @@ def percentile_interval(
     tail = expanded_tail(level, num_units) * 100
     lo, hi = np.percentile(finite, [tail, 100 - tail])
     return float(lo), float(hi)
+
+
+def t_interval(
+    replicates: np.ndarray,
+    point: float,
+    level: float = 0.95,
+    num_units: int = 2,
+    max_nan_share: float = 0.05,
+) -> tuple[float, float] | None:
+    """`point` +- t(num_units - 1) * sqrt(num_units / (num_units - 1)) * sd(replicates)."""
+    finite = replicates[np.isfinite(replicates)]
+    if finite.size < 2 or finite.size < (1 - max_nan_share) * replicates.size or num_units < 2:
+        return None
+    from scipy import stats  # NOTE: lazily, as in `expanded_tail`
+
+    quantile = stats.t.ppf(1 - (1 - level) / 2, num_units - 1)
+    half = quantile * np.sqrt(num_units / (num_units - 1)) * float(np.std(finite, ddof=1))
+    return point - half, point + half
+
+
+def interval(
+    replicates: np.ndarray,
+    point: float | None,
+    level: float = 0.95,
+    num_units: int | None = None,
+    relative: bool = False,
+) -> tuple[float, float] | None:
+    """The interval the verdict uses: `t_interval` over few units, else `percentile_interval`.
+
+    `relative`: the replicates are ratios - 1; over few units the t interval is made for
+    log(ratio) and mapped back, so it stays above -100% and a x2 weighs as much as a x0.5.
+    """
+    few = num_units is not None and 2 <= num_units < MIN_PERCENTILE_UNITS
+    if not few or point is None or num_units is None:
+        return percentile_interval(replicates, level, num_units)
+    if not relative:
+        return t_interval(replicates, point, level, num_units)
+    if point <= -1:
+        return None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        logs = np.log1p(np.where(replicates > -1, replicates, np.nan))
+    found = t_interval(logs, float(np.log1p(point)), level, num_units)
+    return None if found is None else (float(np.expm1(found[0])), float(np.expm1(found[1])))
 
 
 def histogram_quantile(upper_bounds: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:

@@ -4,7 +4,8 @@ Metrics (`METRICS`): TTFT p50 and p99, TPOT p50, ITL p99, e2e p50 and p99, outpu
 goodput, here the *share* of requests meeting every SLO (a failed request misses them).
 
 `diff` is relative, arm / baseline - 1 (-0.38: the arm's value is 38% lower), and `diff_abs`
-is arm - baseline in the metric's unit; `ci95` and `ci95_abs` are their percentile intervals.
+is arm - baseline in the metric's unit; `ci95` and `ci95_abs` are their bootstrap intervals
+(bench/stats.py `interval`: percentiles, or Student's t over fewer than 10 runs).
 `significant` is whether `ci95` excludes 0 (`ci95_abs` when the relative one is undefined, as
 for a goodput share of 0), and None when there is no interval at all (throughput from a single
 run: a run's duration is one number, so only `--repeats` can tell how much it varies).
@@ -14,6 +15,13 @@ when the 90% interval of the relative difference lies inside (-margin, +margin),
 from `--equivalence-margin` (default 5%). `outcome` is then "equivalent" (no difference
 larger than the margin, even where a smaller one is significant), "difference" (significant
 and not equivalent) or "inconclusive" (neither).
+
+Replication: arms run one after the other (the bench) with one run each confound the arm with
+the run: load shared by a whole run (a noisy neighbour, a throttled CPU) shifts every request
+of it, and no resample of its requests can see that. Such a verdict is not `replicated`: its
+`outcome` is "inconclusive" whatever the requests say, and a sentence that would have named a
+difference or an equivalence says so (`ONE_RUN_CAVEAT`). Two runs per arm or more, or arms
+that served side by side (a live split, `simultaneous`), are replicated.
 
 Resampling (bench/stats.py): over requests, or over runs and then requests with several runs.
 When both arms ran the same workload (the bench, a replay) the resamples are paired: one draw of
@@ -32,7 +40,7 @@ import numpy as np
 
 from bench.client import RequestResult
 from bench.metrics import Slo, meets_slo, tpot
-from bench.stats import percentile_interval, resample_weights, weighted_mean, weighted_quantile
+from bench.stats import interval, resample_weights, weighted_mean, weighted_quantile
 
 Kind = Literal["quantile", "throughput", "share"]
 DEFAULT_RESAMPLES = 2000
@@ -40,6 +48,8 @@ DEFAULT_RESAMPLES = 2000
 DEFAULT_EQUIVALENCE_MARGIN = 0.05
 #: below this many samples beyond a quantile, its interval is flagged as rough
 MIN_TAIL_SAMPLES = 10
+#: appended to a one-run verdict's sentence that the requests alone would have decided
+ONE_RUN_CAVEAT = "one run per arm: run-to-run variation unmeasured; use --repeats 3"
 
 
 @dataclass(frozen=True)
@@ -187,8 +197,13 @@ def compare_runs(
     paired: bool = True,
     metrics: Sequence[MetricSpec] = METRICS,
     margin: float = DEFAULT_EQUIVALENCE_MARGIN,
+    simultaneous: bool = False,
 ) -> list[dict[str, Any]]:
-    """One entry per metric (goodput only with an SLO): `arm` against `baseline`."""
+    """One entry per metric (goodput only with an SLO): `arm` against `baseline`.
+
+    `simultaneous`: the arms served their requests side by side (a live split), so whatever
+    load a run shared hit both, and one run per arm is replicated enough (module docstring).
+    """
     num = min(len(base_runs), len(arm_runs)) if paired else None
     base_runs, arm_runs = list(base_runs)[:num], list(arm_runs)[:num]
     base_sizes, arm_sizes = [r.size for r in base_runs], [r.size for r in arm_runs]
@@ -198,6 +213,7 @@ def compare_runs(
     arm_w = base_w if paired else resample_weights(rng, arm_sizes, num_resamples)
     method = _method(len(base_runs), len(arm_runs), paired, num_resamples)
     num_runs = min(len(base_runs), len(arm_runs))
+    replicated = simultaneous or num_runs > 1
     entries = []
     for spec in metrics:
         if spec.kind == "share" and not slo_active:
@@ -206,9 +222,10 @@ def compare_runs(
         other = estimate(spec, arm_runs, arm_w)
         requests = min(sum(r.size for r in base_runs), sum(r.size for r in arm_runs))
         units = num_runs if num_runs > 1 else requests
-        entries.append(
-            compare_estimates(spec, baseline, base, arm, other, method, units, margin=margin)
+        entry = compare_estimates(
+            spec, baseline, base, arm, other, method, units, margin=margin, replicated=replicated
         )
+        entries.append(entry)
     return entries
 
 
@@ -228,11 +245,13 @@ def compare_estimates(
     num_units: int | None = None,
     *,
     margin: float = DEFAULT_EQUIVALENCE_MARGIN,
+    replicated: bool = True,
 ) -> dict[str, Any]:
     """The comparison entry of one metric from two arms' estimates (see the module docstring).
 
     `num_units`: what the outer resampling level drew (runs, or requests), for the interval.
     `margin`: the relative equivalence margin of the TOST.
+    `replicated`: False for one run per arm, one after the other: no outcome but "inconclusive".
     """
     diff = diff_abs = None
     if base.value is not None and other.value is not None:
@@ -242,9 +261,9 @@ def compare_estimates(
     if base.replicates is not None and other.replicates is not None:
         with np.errstate(invalid="ignore", divide="ignore"):
             relative = other.replicates / base.replicates - 1
-            ci = percentile_interval(relative, num_units=num_units)
-            ci_abs = percentile_interval(other.replicates - base.replicates, num_units=num_units)
-            ci90 = percentile_interval(relative, level=0.90, num_units=num_units)
+            ci = interval(relative, diff, num_units=num_units, relative=True)
+            ci_abs = interval(other.replicates - base.replicates, diff_abs, num_units=num_units)
+            ci90 = interval(relative, diff, level=0.90, num_units=num_units, relative=True)
     decisive = ci if ci is not None and diff is not None else ci_abs
     significant = None if decisive is None else bool(decisive[0] > 0 or decisive[1] < 0)
     better = None
@@ -268,7 +287,8 @@ def compare_estimates(
         "equivalence_margin": margin,
         "ci90": list(ci90) if ci90 is not None and diff is not None else None,
         "equivalent": equivalent,
-        "outcome": _outcome(significant, equivalent),
+        "replicated": replicated,
+        "outcome": _outcome(significant, equivalent, replicated),
         "n_baseline": base.n,
         "n_arm": other.n,
         "method": method,
@@ -289,11 +309,14 @@ def _equivalent(
     return None
 
 
-def _outcome(significant: bool | None, equivalent: bool | None) -> str | None:
+def _outcome(significant: bool | None, equivalent: bool | None, replicated: bool) -> str | None:
     """Equivalence first: a difference whose whole 90% interval lies inside the margin (a
-    significant 0.1% on two near-deterministic runs) is no difference worth naming."""
+    significant 0.1% on two near-deterministic runs) is no difference worth naming. Without
+    replication neither can be told from the runs' own shift: inconclusive."""
     if significant is None:
         return None
+    if not replicated:
+        return "inconclusive"
     if equivalent:
         return "equivalent"
     return "difference" if significant else "inconclusive"
@@ -322,7 +345,16 @@ def _digits(*xs: float) -> int:
 
 
 def sentence(entry: dict[str, Any]) -> str:
-    """The plain sentence: "orca lowers p99 e2e by 38% (95% CI 31%-45%)" and its variants."""
+    """The plain sentence: "orca lowers p99 e2e by 38% (95% CI 31%-45%)" and its variants;
+    one that names a difference or an equivalence from one run per arm ends in the caveat."""
+    text = _sentence(entry)
+    decided = entry["significant"] or entry.get("equivalent")
+    if entry.get("replicated", True) or not decided or not text.endswith(")"):
+        return text
+    return f"{text[:-1]}; {ONE_RUN_CAVEAT})"
+
+
+def _sentence(entry: dict[str, Any]) -> str:
     arm, label = entry["arm"], entry["label"]
     diff, ci, diff_abs = entry["diff"], entry["ci95"], entry["diff_abs"]
     if diff_abs is None:
@@ -334,7 +366,7 @@ def sentence(entry: dict[str, Any]) -> str:
     verb = "raises" if diff > 0 else "lowers"
     if entry["significant"] is None:
         return f"{arm} {verb} {label} by {_pct(diff, _digits(diff))} ({entry['note']})"
-    if not entry["significant"] or entry.get("outcome") == "equivalent":
+    if not entry["significant"] or entry.get("equivalent"):
         return _no_difference_sentence(entry)
     lo, hi = sorted(abs(x) for x in ci) if ci is not None else (None, None)
     if lo is None or hi is None:

@@ -3,6 +3,9 @@ bootstrap 95% interval (the bench's verdict gives quantiles; schedulers' targets
 
     python scripts/bench_mean_ci.py RESULTS/requests.jsonl orca sjf [--field ttft_s]
         [--user NAME]
+
+The bootstrap is the verdict's (bench/stats.py): over requests, paired by request index, and
+with `--repeats` over runs and then requests, with its interval for few runs.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from bench.stats import interval, resample_weights, weighted_mean
+from bench.verdict import ONE_RUN_CAVEAT
 
 
 def per_request(
@@ -28,8 +34,39 @@ def per_request(
     return out
 
 
+def paired_runs(
+    base: dict[tuple[int, int], float], other: dict[tuple[int, int], float]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per repeat, the (baseline, arm) values of the requests that succeeded in both arms."""
+    runs = []
+    for repeat in sorted({key[0] for key in base} & {key[0] for key in other}):
+        keys = sorted(k for k in set(base) & set(other) if k[0] == repeat)
+        b = np.array([base[k] for k in keys])
+        a = np.array([other[k] for k in keys])
+        finite = np.isfinite(a) & np.isfinite(b)
+        if finite.any():
+            runs.append((b[finite], a[finite]))
+    return runs
+
+
+def mean_difference(
+    runs: list[tuple[np.ndarray, np.ndarray]], num_resamples: int, seed: int = 0
+) -> tuple[float, tuple[float, float] | None]:
+    """arm mean / baseline mean - 1 over all runs, and its 95% interval."""
+    b = np.concatenate([run[0] for run in runs])
+    a = np.concatenate([run[1] for run in runs])
+    rng = np.random.default_rng(seed)
+    weights = resample_weights(rng, [run[0].size for run in runs], num_resamples)
+    w = np.concatenate(weights, axis=1)  # (B, n): the same draw for both arms (paired)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = weighted_mean(a, w) / weighted_mean(b, w) - 1
+    units = len(runs) if len(runs) > 1 else b.size
+    point = float(a.mean() / b.mean() - 1)
+    return point, interval(ratios, point, num_units=units, relative=True)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("requests", type=Path)
     parser.add_argument("baseline")
     parser.add_argument("arm")
@@ -40,19 +77,18 @@ def main() -> None:
     rows = [json.loads(line) for line in args.requests.read_text().splitlines() if line]
     base = per_request(rows, args.baseline, args.field, args.user)
     other = per_request(rows, args.arm, args.field, args.user)
-    keys = sorted(set(base) & set(other))
-    b = np.array([base[k] for k in keys])
-    a = np.array([other[k] for k in keys])
-    finite = np.isfinite(a) & np.isfinite(b)
-    b, a = b[finite], a[finite]
-    rng = np.random.default_rng(0)
-    draws = rng.integers(0, b.size, size=(args.resamples, b.size))  # (R, n) paired draws
-    ratios = a[draws].mean(axis=1) / b[draws].mean(axis=1) - 1
-    low, high = np.percentile(ratios, [2.5, 97.5])
+    runs = paired_runs(base, other)
+    if not runs:
+        raise SystemExit(f"no request succeeded in both {args.baseline} and {args.arm}")
+    point, ci = mean_difference(runs, args.resamples)
+    b = np.concatenate([run[0] for run in runs])
+    a = np.concatenate([run[1] for run in runs])
+    span = "no interval" if ci is None else f"95% CI {ci[0]:+.1%} to {ci[1]:+.1%}"
+    caveat = f"; {ONE_RUN_CAVEAT}" if len(runs) == 1 else ""
     print(
         f"{args.arm} against {args.baseline}: mean {args.field} {b.mean() * 1000:.0f} -> "
-        f"{a.mean() * 1000:.0f} ms ({a.mean() / b.mean() - 1:+.1%}, 95% CI {low:+.1%} to "
-        f"{high:+.1%}; n = {b.size} paired requests)"
+        f"{a.mean() * 1000:.0f} ms ({point:+.1%}, {span}; n = {b.size} paired requests "
+        f"in {len(runs)} run(s){caveat})"
     )
 
 

@@ -87,6 +87,7 @@ def test_two_arms_with_repeats_end_in_a_verdict(tmp_path: Path) -> None:
     md = (out / "report.md").read_text()
     verdict = md[md.index("## Verdict") :]
     assert "### orca against static @ inf req/s" in verdict
+    assert "One run per arm" not in verdict and all(e["replicated"] for e in entries.values())
     assert all(e["sentence"] in verdict for e in entries.values())
     assert report["files"]["verdict_plots"] == ["comparison.png"]
     assert_png(out / "comparison.png")
@@ -107,4 +108,8 @@ def test_one_arm_has_no_verdict_and_no_slo_means_no_goodput(tmp_path: Path) -> N
     assert "goodput" not in metrics and len(metrics) == 7
     tput = next(e for e in two["comparison"] if e["metric"] == "output_throughput")
     assert tput["ci95"] is None and tput["significant"] is None and "--repeats" in tput["note"]
+    # one run each, one after the other: the outcome cannot be told from the run's own shift
+    assert {e["outcome"] for e in two["comparison"]} <= {"inconclusive", None}
+    assert not any(e["replicated"] for e in two["comparison"])
+    assert "**One run per arm**" in (tmp_path / "two" / "report.md").read_text()
     assert any("--slo" in note for note in two["notes"])

@@ -265,3 +265,24 @@ def test_sentences_read_plainly() -> None:
     note = "one run per arm: no interval"
     tput = entry(label=spec.label, unit=spec.unit, diff=0.8, significant=None, note=note)
     assert sentence(tput) == f"orca raises output tok/s by 80% ({note})"
+
+
+def test_the_few_runs_interval_of_a_mean_is_the_paired_t_interval() -> None:
+    """Four runs, one value each: the bootstrap of their mean, read by `stats.interval`, gives
+    Student's t interval of a mean, the textbook answer for four paired differences."""
+    from scipy import stats as scipy_stats
+
+    diffs = np.array([0.02, -0.05, 0.11, 0.04])
+    rng = np.random.default_rng(0)
+    weights = np.concatenate(resample_weights(rng, [1, 1, 1, 1], 20000), axis=1)
+    replicates = weighted_mean(diffs, weights)
+    found = stats.interval(replicates, float(diffs.mean()), num_units=4)
+    assert found is not None
+    low, high = found
+    sem = scipy_stats.sem(diffs)
+    want = scipy_stats.t.interval(0.95, 3, loc=diffs.mean(), scale=sem)
+    assert abs(low - want[0]) < 0.03 * (want[1] - want[0])
+    assert abs(high - want[1]) < 0.03 * (want[1] - want[0])
+    assert want[0] < diffs.min()  # past the most extreme run, which no resample goes beyond:
+    percentiles = stats.percentile_interval(replicates, num_units=4)
+    assert percentiles is not None and percentiles[0] >= diffs.min()

@@ -72,6 +72,8 @@ def printed_verdict(report: dict[str, Any]) -> list[str]:
     """The verdict lines the bench prints for `report`, its sentences written by today's code."""
     fresh = copy.deepcopy(report)
     for entry in fresh["comparison"]:
+        # NOTE: one run per arm, one after the other, is not replicated (bench/verdict.py)
+        assert entry["replicated"] is (report["config"]["repeats"] > 1)
         entry["sentence"] = sentence(entry)
     return [line for line in verdict_lines(fresh) if line]
 
