@@ -15,7 +15,7 @@ One round sends each endpoint, in turn, the same chat request (`max_tokens`, tem
 warm-up request each goes first. Per endpoint it prints the median inter-token latency (the
 gap between streamed chunks), the decode time per token ((last chunk - first chunk) / (tokens
 - 1)), the median time to first token, and the first endpoint's median ITL over each one's
-(above 1: faster than the first).
+(above 1: faster than the first). No round starts after `--max-seconds`.
 """
 
 from __future__ import annotations
@@ -136,14 +136,22 @@ def record(endpoint: Endpoint, result: RequestResult) -> None:
         endpoint.per_token.append(decode_s / (tokens - 1))
 
 
-async def measure(endpoints: list[Endpoint], rounds: int, max_tokens: int) -> None:
-    """A warm-up answer each, then `rounds` rounds of one answer per endpoint in turn."""
+async def measure(
+    endpoints: list[Endpoint], rounds: int, max_tokens: int, max_seconds: float
+) -> None:
+    """A warm-up answer each, then `rounds` rounds of one answer per endpoint in turn; no
+    round starts after `max_seconds` (a loaded machine: what was measured is reported)."""
     for endpoint in endpoints:
         await answer(endpoint, max_tokens)
+    deadline = time.monotonic() + max_seconds
     for i in range(rounds):
+        if time.monotonic() > deadline:
+            print(f"time budget spent after {i} rounds", file=sys.stderr, flush=True)
+            break
         for endpoint in endpoints:
             record(endpoint, await answer(endpoint, max_tokens))
-        print(f"round {i + 1}/{rounds} done", file=sys.stderr, flush=True)
+        done = ", ".join(f"{e.name} {e.per_token[-1] * 1e3:.1f}" for e in endpoints)
+        print(f"round {i + 1}/{rounds}, ms/token: {done}", file=sys.stderr, flush=True)
 
 
 def report(endpoints: list[Endpoint]) -> list[dict[str, float | str]]:
@@ -173,6 +181,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="llama-server's -t")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-seconds", type=float, default=1200, help="start no round after")
     parser.add_argument("--log-dir", type=Path, default=ROOT / "bench-results" / "single-stream")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
@@ -180,7 +189,7 @@ def main() -> None:
     with servers(args, args.log_dir) as endpoints:
         if not endpoints:
             parser.error("no endpoint: give --url, --carousel or --llama-server")
-        asyncio.run(measure(endpoints, args.rounds, args.max_tokens))
+        asyncio.run(measure(endpoints, args.rounds, args.max_tokens, args.max_seconds))
     rows = report(endpoints)
     keys = list(rows[0])
     print(" | ".join(keys))
