@@ -1,14 +1,15 @@
 """Single-stream latency: one streamed greedy answer at a time, endpoints taken in turn.
 
-    python scripts/single_stream.py --rounds 20 \
-        --llama-server /work/llamacpp/build/bin/llama-server \
-        --carousel "none=--quantization none" --carousel "gguf=--quantization gguf"
+    python scripts/single_stream.py --rounds 20 --llama-server llama.cpp-build/bin/llama-server \
+        --quantization none --quantization gguf
 
 Each endpoint is an OpenAI-compatible server: `--url NAME=URL` (already running), `--carousel
-NAME=ARGS` (`carousel serve ARGS` started here) or `--llama-server PATH` (llama.cpp's server
-started here on the same GGUF as Carousel's default model, `-t 2`, one slot; named
-`llama.cpp`, and the first endpoint when given). Servers started here listen on free loopback
-ports, are wrapped in `timeout` (an hour) and are ended by their own pid.
+NAME=ARGS` (`carousel serve ARGS` started here; `--quantization MODE` is `--carousel
+"MODE=--quantization MODE"`) or `--llama-server PATH` (llama.cpp's server started here on the
+same GGUF as Carousel's default model, `-t 2`, one slot; named `llama.cpp`, and the first
+endpoint when given; docs/benchmarks/history/25-single-stream-llamacpp.md builds it). Servers
+started here listen on free loopback ports, are wrapped in `timeout` (an hour) and are ended
+by their own pid.
 
 One round sends each endpoint, in turn, the same chat request (`max_tokens`, temperature 0,
 `ignore_eos`), so a load spike on a shared machine lands on all of them alike; one untimed
@@ -95,7 +96,8 @@ def servers(args: argparse.Namespace, log_dir: Path) -> Iterator[list[Endpoint]]
             port = free_port()
             cmd = llama_server_cmd(args.llama_server, port, args.threads)
             launches.append((LLAMA_CPP, cmd, port))
-        for name, rest in args.carousel:
+        arms = [*args.carousel, *((mode, f"--quantization {mode}") for mode in args.quantization)]
+        for name, rest in arms:
             port = free_port()
             launches.append((name, carousel_cmd(rest, port), port))
         for name, cmd, port in launches:
@@ -177,6 +179,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", type=named, action="append", default=[], help="NAME=URL")
     parser.add_argument("--carousel", type=named, action="append", default=[], help="NAME=ARGS")
+    parser.add_argument(
+        "--quantization", action="append", default=[],
+        help="MODE: a Carousel endpoint named MODE, `--carousel \"MODE=--quantization MODE\"`",
+    )  # fmt: skip
     parser.add_argument("--llama-server", help="path of llama.cpp's llama-server binary")
     parser.add_argument("--threads", type=int, default=2, help="llama-server's -t")
     parser.add_argument("--rounds", type=int, default=20)
