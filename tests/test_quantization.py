@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
+from transformers import PreTrainedModel
 
 from backends.torch.config import TorchBackendConfig
 from backends.torch.layers.quant_linear import QuantLinear
@@ -103,16 +104,31 @@ def test_metrics_report_weight_bytes_per_format() -> None:
     assert 'carousel_weight_bytes{arm="a",format="bfloat16",model="m"} 100.0' in text
 
 
-def test_auto_serves_the_gguf_blocks_only_where_carousels_kernels_do_not_run_the_step() -> None:
-    from backends.torch import kernels
+def gguf_model() -> PreTrainedModel:
+    """A tiny bf16 model that passes for the conversion of the default (embedded) GGUF."""
     from backends.torch.loader import gguf_source
-    from backends.torch.quantization import resolve_mode
 
     model = tiny_model("llama").to(torch.bfloat16)
     source = gguf_source("default")
     assert source is not None
-    model.name_or_path = str(source[1])  # as if loaded from the embedded GGUF's conversion
-    assert resolve_mode(model, TorchBackendConfig(cpu_kernels=False)) == "gguf"
-    assert resolve_mode(model, TorchBackendConfig(compile=True, cpu_kernels=False)) == "none"
-    if kernels.computes(torch.bfloat16):
-        assert resolve_mode(model, TorchBackendConfig()) == "none"
+    model.name_or_path = str(source[1])
+    return model
+
+
+@pytest.mark.parametrize("kernels_compute", [True, False])
+def test_auto_keys_on_kernel_availability_never_on_the_switches_among_carousels_paths(
+    monkeypatch: pytest.MonkeyPatch, kernels_compute: bool
+) -> None:
+    from backends.torch import kernels
+    from backends.torch.quantization import resolve_mode
+
+    monkeypatch.setattr(kernels, "computes", lambda dtype, device_type="cpu": kernels_compute)
+    model = gguf_model()
+    expected = "none" if kernels_compute else "gguf"
+    switches = [{}, {"native_layers": False}, {"cpu_kernels": False}, {"fuse_mlp": False},
+                {"prepack_weights": False}]  # fmt: skip
+    for fields in switches:  # an A/B of any of these keeps the weights of the other arm
+        assert resolve_mode(model, TorchBackendConfig(**fields)) == expected, fields  # type: ignore[arg-type]
+    assert resolve_mode(model, TorchBackendConfig(compile=True)) == "none"
+    assert resolve_mode(model, TorchBackendConfig(quantization="gguf")) == "gguf"  # forced
+    assert resolve_mode(tiny_model("llama"), TorchBackendConfig()) == "none"  # no GGUF
