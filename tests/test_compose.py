@@ -453,9 +453,13 @@ def test_dockerfile_targets_user_healthcheck_and_install_order() -> None:
         [*_, check] = [h for s in chain for h in instruction(s, "HEALTHCHECK")]
         assert "/health" in check and "urllib" in check and "curl" not in check
         assert entrypoint(target) == ["carousel", "serve", "--host", "0.0.0.0"]
-    # the two app stages are the same steps over a different torch
+    # the two app stages are the same steps over a different torch, but for the CPU image
+    # dropping triton (xgrammar's dependency, used by GPU kernels only)
     by_name = {s.name: s for s in stages}
-    assert by_name["cpu-app"].lines == by_name["cuda"].lines
+    drop = " && pip uninstall -y triton"
+    assert sum(drop in line for line in by_name["cpu-app"].lines) == 1
+    assert not any(drop in line for line in by_name["cuda"].lines)
+    assert [line.replace(drop, "") for line in by_name["cpu-app"].lines] == by_name["cuda"].lines
     # the local wheels: a stage of their own, from LOCAL_WHEELS (deploy/wheels by default)
     assert global_args()["LOCAL_WHEELS"] == "deploy/wheels"
     assert by_name["local-wheels"].base == "scratch"
