@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,11 +82,33 @@ def _error_of(response: httpx.Response) -> tuple[str, str | None]:
 def served_models(client: httpx.Client, api_base: str, headers: dict[str, str]) -> list[str]:
     """The model ids `GET /v1/models` lists (empty when it lists none or fails)."""
     try:
-        response = client.get(api_base + "/models", headers=headers)
+        return _listed(client.get(api_base + "/models", headers=headers))
+    except httpx.HTTPError:
+        return []
+
+
+def _listed(response: httpx.Response) -> list[str]:
+    """The model ids in a `GET /v1/models` answer (empty for an error or another shape)."""
+    try:
         data = response.json().get("data") if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
+    except (ValueError, AttributeError):
         return []
     return [str(m["id"]) for m in data or [] if isinstance(m, dict) and "id" in m]
+
+
+@contextmanager
+def _reaching(api_base: str) -> Iterator[None]:
+    """httpx's transport errors in the block as ProbeErrors naming `api_base` (and, for a
+    refused connection, what to start)."""
+    try:
+        yield
+    except httpx.ConnectError as exc:
+        raise ProbeError(
+            f"cannot connect to {api_base} ({exc}): is the server running? "
+            "(carousel serve starts one on http://127.0.0.1:8000)"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise ProbeError(f"{api_base}: {type(exc).__name__}: {exc}") from exc
 
 
 def _refuses_ignore_eos(status: int, message: str, param: str | None) -> bool:
@@ -137,7 +161,7 @@ def probe_arm(
     client: httpx.Client, cfg: ClientConfig, spec: RequestSpec, arm: str | None
 ) -> ProbeResult:
     """Probe one arm with `spec` (see the module docstring); ProbeError names the cause."""
-    try:
+    with _reaching(cfg.api_base):
         response, prompt_tokens = _send(client, cfg, spec, arm)
         if response.status_code == 200:
             return ProbeResult(arm, True, prompt_tokens)
@@ -152,13 +176,6 @@ def probe_arm(
                 )
                 return ProbeResult(arm, False, prompt_tokens, note)
             response = retry
-    except httpx.ConnectError as exc:
-        raise ProbeError(
-            f"cannot connect to {cfg.api_base} ({exc}): is the server running? "
-            "(carousel serve starts one on http://127.0.0.1:8000)"
-        ) from exc
-    except httpx.HTTPError as exc:
-        raise ProbeError(f"{cfg.api_base}: {type(exc).__name__}: {exc}") from exc
     raise ProbeError(_cause(client, cfg, arm, response))
 
 
@@ -173,17 +190,8 @@ def default_model(api_base: str, api_key: str | None) -> str:
     """The one model the server lists at /v1/models (vLLM's bench does the same without
     --model); ProbeError when it lists none or several, or cannot be reached."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:
-        try:
-            client.get(api_base + "/models", headers=headers)
-        except httpx.ConnectError as exc:
-            raise ProbeError(
-                f"cannot connect to {api_base} ({exc}): is the server running? "
-                "(carousel serve starts one on http://127.0.0.1:8000)"
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise ProbeError(f"{api_base}: {type(exc).__name__}: {exc}") from exc
-        models = served_models(client, api_base, headers)
+    with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False) as client, _reaching(api_base):
+        models = _listed(client.get(api_base + "/models", headers=headers))
     if len(models) != 1:
         listed = ", ".join(models) if models else "none"
         raise ProbeError(f"name the model with --model (the server serves: {listed})")
