@@ -35,12 +35,12 @@ CONCURRENCY = 4
 MAX_REQUESTS = 2000
 
 
-def _sim_args(time_scale: float) -> list[str]:
+def sim_args(time_scale: float) -> list[str]:
     return ["--backend", "sim", "--served-model-name", "sim", "--sim-time-scale", str(time_scale)]
 
 
 ROLLOUT_YAML = """\
-served_model_name: sim
+served_model_name: {model}
 arms:
   - name: baseline
     upstream: {{base_urls: ["{baseline}/v1"], model: sim}}
@@ -49,12 +49,24 @@ arms:
 rollout:
   baseline: baseline
   candidate: candidate
-  steps: [50, 100]
+  steps: {steps}
   metric: ttft_p50
   guardrails: {{error_rate: 0.05, ttft_p50: 0.10}}
   min_requests: 20
   alpha: 0.05
 """
+
+
+def rollout_yaml(
+    baseline: str, candidate: str, model: str = "sim", steps: str = "[50, 100]"
+) -> str:
+    """A gateway config rolling out from the upstream `baseline` to `candidate` (sim servers)."""
+    return ROLLOUT_YAML.format(baseline=baseline, candidate=candidate, model=model, steps=steps)
+
+
+def rollout_status(url: str) -> dict[str, Any]:
+    """The gateway's `/admin/rollout`."""
+    return httpx.get(f"{url}/admin/rollout", timeout=10).json()  # type: ignore[no-any-return]
 
 
 def bench_load(url: str, model: str, folder: Path, name: str = "bench") -> list[str]:
@@ -84,7 +96,7 @@ def _watch(url: str, bench: subprocess.Popen[bytes], deadline_s: float) -> dict[
     """The rollout's status, polled until it is final, bench ends or the deadline passes."""
     end = time.monotonic() + deadline_s
     while True:
-        status: dict[str, Any] = httpx.get(f"{url}/admin/rollout", timeout=10).json()
+        status = rollout_status(url)
         final = status["status"] in ("rolled_back", "promoted")
         if final or bench.poll() is not None or time.monotonic() > end:
             return status
@@ -93,10 +105,10 @@ def _watch(url: str, bench: subprocess.Popen[bytes], deadline_s: float) -> dict[
 
 def _rollout(tmp_path: Path, baseline_scale: float, candidate_scale: float) -> dict[str, Any]:
     """Run the rollout between two sim processes under load; its final status."""
-    arms = [(_sim_args(baseline_scale), "baseline"), (_sim_args(candidate_scale), "candidate")]
+    arms = [(sim_args(baseline_scale), "baseline"), (sim_args(candidate_scale), "candidate")]
     with carousel_serves(arms, tmp_path) as (baseline, candidate):
         config = tmp_path / "rollout.yaml"
-        config.write_text(ROLLOUT_YAML.format(baseline=baseline, candidate=candidate))
+        config.write_text(rollout_yaml(baseline, candidate))
         with carousel_serve(["--config", str(config)], tmp_path, "gateway") as gateway:
             began = time.monotonic()
             status = _drive(gateway, tmp_path, DEADLINE_S)

@@ -17,41 +17,19 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.serve_process import Served, carousel_process, carousel_serves, serve_processes, stop
-from tests.test_rollout_e2e import FAST, SLOW, bench_load
+from tests.test_rollout_e2e import FAST, SLOW, bench_load, rollout_status, rollout_yaml, sim_args
 
 #: the lease (gateway/rollout/controller.py LEASE_S, 10 s) must expire before the survivor decides
 DEADLINE_S = 90.0
-
-ROLLOUT_YAML = """\
-served_model_name: replicated
-arms:
-  - name: baseline
-    upstream: {{base_urls: ["{baseline}/v1"], model: sim}}
-  - name: candidate
-    upstream: {{base_urls: ["{candidate}/v1"], model: sim}}
-rollout:
-  baseline: baseline
-  candidate: candidate
-  steps: [50, 75, 100]
-  metric: ttft_p50
-  guardrails: {{error_rate: 0.05, ttft_p50: 0.10}}
-  min_requests: 20
-  alpha: 0.05
-"""
-
-
-def _status(url: str) -> dict[str, Any]:
-    return httpx.get(f"{url}/admin/rollout", timeout=10).json()  # type: ignore[no-any-return]
 
 
 def _until(url: str, done: Callable[[dict[str, Any]], bool], deadline: float) -> dict[str, Any]:
     """Poll `url`'s rollout status until `done(status)` holds; fails at the deadline."""
     while True:
-        status = _status(url)
+        status = rollout_status(url)
         if done(status):
             return status
         assert time.monotonic() < deadline, status
@@ -61,7 +39,7 @@ def _until(url: str, done: Callable[[dict[str, Any]], bool], deadline: float) ->
 def _deciding(replicas: list[Served], deadline: float) -> tuple[Served, Served]:
     """(the replica holding the decider's lease, the other one)."""
     while True:
-        statuses = [_status(r.url) for r in replicas]
+        statuses = [rollout_status(r.url) for r in replicas]
         holder = statuses[0]["decider"]
         for index, status in enumerate(statuses):
             if status["replica"] == holder:
@@ -74,12 +52,11 @@ def _deciding(replicas: list[Served], deadline: float) -> tuple[Served, Served]:
 def test_killing_the_deciding_replica_leaves_the_other_to_finish(
     tmp_path: Path, redis_url: str
 ) -> None:
-    arms = [(["--backend", "sim", "--served-model-name", "sim", "--sim-time-scale", str(scale)],
-             name) for scale, name in ((SLOW, "baseline"), (FAST, "candidate"))]  # fmt: skip
+    arms = [(sim_args(SLOW), "baseline"), (sim_args(FAST), "candidate")]
     deadline = time.monotonic() + DEADLINE_S
     with carousel_serves(arms, tmp_path) as (baseline, candidate):
         config = tmp_path / "rollout.yaml"
-        config.write_text(ROLLOUT_YAML.format(baseline=baseline, candidate=candidate))
+        config.write_text(rollout_yaml(baseline, candidate, "replicated", "[50, 75, 100]"))
         gateway = ["--config", str(config), "--rollout-store", redis_url]
         runs = [(gateway, "gateway-a"), (gateway, "gateway-b")]
         with serve_processes(runs, tmp_path) as replicas, ExitStack() as loads:
