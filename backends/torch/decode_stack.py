@@ -10,6 +10,13 @@ It runs a step only where that loop would call exactly those kernels: every toke
 (`cpu_paged` attention's pure decode step), the token count within the native pack plan's
 window, and `model.linears` still the ones it was built from (tensor parallelism swaps in
 row-parallel linears; `--compile` rebuilds them).
+
+`--quantization`: where a layer's projections are `QuantLinear`s (layers/quant_linear.py),
+the stack holds their weight-only copies too and, in a step of at most their `max_rows` rows,
+calls torch's int4 / int8 kernel for them, as the loop would. A quiet server's one-sequence
+steps are where those kernels win, and there the Python between them cost as much as the
+4-bit bytes saved (docs/benchmarks/history/25-single-stream-llamacpp.md). Copies the stack
+cannot take (gate without up, rows that differ) leave those steps to the loop.
 """
 
 from __future__ import annotations
@@ -22,16 +29,26 @@ import torch
 from backends.torch.attention.base import AttentionMetadata, AttentionSpec
 from backends.torch.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from backends.torch.kv_cache import KVCache
+from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.packed import Linear, PackPlan
+
+_QUANTIZABLE = ("qkv", "o_proj", "gate", "up", "down")
 
 
 class NativeDecodeLayers:
     """The decoder layers of one `PagedCausalLM` for its decode-only steps (see the module)."""
 
-    def __init__(self, stack: Any, linears: Sequence[Any], plan: PackPlan) -> None:
+    def __init__(
+        self, stack: Any, linears: Sequence[Any], plan: PackPlan, quantized_rows: int = 0,
+        op_rows: int = 0,
+    ) -> None:  # fmt: skip
         self.stack = stack
         self.linears = linears  # what the stack's weights came from
         self.plan = plan
+        #: steps of at most this many rows take the quantised copies in the stack (0: none)
+        self.quantized_rows = quantized_rows
+        #: steps of at most this many rows take the linears' quantised copies (0: none)
+        self.op_rows = op_rows
 
     @classmethod
     def build(
@@ -55,30 +72,37 @@ class NativeDecodeLayers:
         kv_cache: KVCache = attention.kv_cache
         stack = kernels.DecodeStack()
         for index, lin in enumerate(linears):
-            projections: tuple[Linear, ...] = (lin.qkv, lin.o_proj, lin.down)
+            projections: tuple[Linear, ...] = tuple(
+                _dense(op) for op in (lin.qkv, lin.o_proj, lin.down)
+            )
+            qkv, o_proj, down = projections
             if lin.gate_up is None or any(p.native is None for p in projections):
                 return None
             in_w, in_eps, post_w, post_eps = norms[index]
             spec = specs[index]
             stack.add_layer(
-                input_norm=in_w, input_eps=in_eps, qkv=lin.qkv.packed, qkv_bias=lin.qkv.packed_bias,
-                o_proj=lin.o_proj.packed, o_bias=lin.o_proj.packed_bias, post_norm=post_w,
+                input_norm=in_w, input_eps=in_eps, qkv=qkv.packed, qkv_bias=qkv.packed_bias,
+                o_proj=o_proj.packed, o_bias=o_proj.packed_bias, post_norm=post_w,
                 post_eps=post_eps, gate_up=lin.gate_up.packed,
-                intermediate=lin.gate_up.out_features, down=lin.down.packed,
-                down_bias=lin.down.packed_bias, k_cache=kv_cache.k[index],
+                intermediate=lin.gate_up.out_features, down=down.packed,
+                down_bias=down.packed_bias, k_cache=kv_cache.k[index],
                 v_cache=kv_cache.v[index], num_heads=spec.num_heads,
                 num_kv_heads=spec.num_kv_heads, scale=spec.scale,
                 window=-1 if spec.sliding_window is None else spec.sliding_window,
             )  # fmt: skip
-        return cls(stack, linears, plan)
+        op_rows = _quantized_rows(linears)
+        quantized_rows = op_rows if _give_copies(stack, linears) else 0
+        return cls(stack, linears, plan, quantized_rows, op_rows)
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata, linears: Sequence[Any]) -> bool:
         """Whether this step is one the stack runs exactly as the Python loop would."""
+        rows = hidden.shape[0]
         return (
             isinstance(meta, CpuPagedMetadata)
             and meta.all_decodes
-            and self.plan.min_rows <= hidden.shape[0] <= self.plan.max_rows
+            and self.plan.min_rows <= rows <= self.plan.max_rows
             and linears is self.linears
+            and (rows > self.op_rows or rows <= self.quantized_rows)
         )
 
     def __call__(
@@ -88,6 +112,43 @@ class NativeDecodeLayers:
         cos, sin = rope  # (N, 1, hd) each
         out: torch.Tensor = self.stack.forward(
             hidden, cos[:, 0], sin[:, 0], meta.layout.slot_mapping, meta.block_tables,
-            meta.context_lens,
+            meta.context_lens, hidden.shape[0] <= self.quantized_rows,
         )  # fmt: skip
         return out
+
+
+def _dense(op: Any) -> Any:
+    """The full-precision `Linear` of a projection (a `QuantLinear` keeps it as `dense`)."""
+    return op.dense if isinstance(op, QuantLinear) else op
+
+
+def _quantized_rows(linears: Sequence[Any]) -> int:
+    """The most rows for which the linears take their quantised copies (0: none do)."""
+    rows = {
+        op.max_rows
+        for lin in linears
+        for op in (getattr(lin, key) for key in _QUANTIZABLE)
+        if isinstance(op, QuantLinear) and op.uses_kernels
+    }
+    return max(rows, default=0)
+
+
+def _give_copies(stack: Any, linears: Sequence[Any]) -> bool:
+    """Hand every quantised copy of `linears` to `stack`; False (none handed) where the stack
+    could not run a quantised step as the loop does (copies of different rows, a gate
+    quantised without its up, or the reverse)."""
+    copies: list[tuple[int, str, QuantLinear]] = []
+    for index, lin in enumerate(linears):
+        for key in _QUANTIZABLE:
+            op = getattr(lin, key)
+            if isinstance(op, QuantLinear) and op.uses_kernels:
+                copies.append((index, key, op))
+        quantized = {key for i, key, _ in copies if i == index}
+        if ("gate" in quantized) != ("up" in quantized):
+            return False
+    if len({op.max_rows for _, _, op in copies}) > 1:
+        return False
+    for index, key, op in copies:
+        weight, scales, group_size = op.quantized.stack_args()
+        stack.quantize(index, key, weight, scales, group_size, op.dense.bias)
+    return True

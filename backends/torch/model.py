@@ -174,8 +174,6 @@ class PagedCausalLM:
             for layer in self.layers
         ]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
-        # the full-precision linears: the native decode stack runs steps past the quantised rows
-        self.dense_linears = self.linears
         self._quantize(hf_model, config, quantization)
         self.kv_cache = kv_cache
         self.attention = create_backend(
@@ -188,7 +186,7 @@ class PagedCausalLM:
         self.native_layers = (
             NativeDecodeLayers.build(
                 self.dense_kernels,
-                self.dense_linears,
+                self.linears,
                 self._norms(),
                 self.specs,
                 self.attention,
@@ -306,11 +304,7 @@ class PagedCausalLM:
     ) -> torch.Tensor:
         """A decode-only step in the native stack's one call; any other step eager."""
         native = self._native_layers
-        # NOTE: the stack holds the full-precision weights: steps the quantised ones take
-        # (at most `layer_max_rows` rows) run eager
-        quantised = hidden.shape[0] <= self.quantization.layer_max_rows
-        linears = self.linears if self.quantization.mode == NONE else self.dense_linears
-        if native is not None and not quantised and native.takes(hidden, meta, linears):
+        if native is not None and native.takes(hidden, meta, self.linears):
             return native(hidden, rope, meta)
         return self._eager_layers(hidden, rope, meta)
 
@@ -364,7 +358,6 @@ class PagedCausalLM:
         self.linears = [
             _LayerLinears.of(layer, fuse_layer(layer), self._plan) for layer in self.layers
         ]
-        self.dense_linears = self.linears
         for layer in self.layers:  # its packed copy is not used by the graph: not kept for it
             forget_gate_up(layer.mlp)
         self.native_layers = None  # it holds those copies too

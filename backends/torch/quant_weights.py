@@ -31,6 +31,10 @@ class Int4Weight:
         """`x @ w.T`, (M, K) -> (M, N)."""
         return kernels.int4_mm(x.contiguous(), self.packed, GROUP_SIZE, self.scales_and_zeros)
 
+    def stack_args(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(weight, scales, group size) as the native decode stack's `quantize` takes them."""
+        return self.packed, self.scales_and_zeros, GROUP_SIZE
+
     @property
     def nbytes(self) -> int:
         return _nbytes(self.packed) + _nbytes(self.scales_and_zeros)
@@ -52,6 +56,10 @@ class Int8Weight:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ w.T`, (M, K) -> (M, N)."""
         return kernels.int8_mm(x.contiguous(), self.qweight, self.scales)
+
+    def stack_args(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(weight, scales, group size: 0, per output channel) for the stack's `quantize`."""
+        return self.qweight, self.scales, 0
 
     def dequantize(self) -> torch.Tensor:
         """The (N, K) fp32 weight the kernel multiplies by."""

@@ -96,7 +96,6 @@ def parallelize(model: PagedCausalLM, plan: ShardPlan) -> PagedCausalLM:
         )  # fmt: skip
         for lin in model.linears
     ]
-    model.dense_linears = model.linears
     model.lm_head_linear = GatheredLMHead(model.lm_head_linear, rank, plan.world_size)
     model.native_layers = None  # its layers would skip the all-reduces (decode_stack.py)
     return model

@@ -51,9 +51,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("down"), pybind11::arg("down_bias"), pybind11::arg("k_cache"),
            pybind11::arg("v_cache"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
            pybind11::arg("scale"), pybind11::arg("window"))
+      .def("quantize", &carousel::DecodeStack::quantize, pybind11::arg("layer"),
+           pybind11::arg("projection"), pybind11::arg("weight"), pybind11::arg("scales"),
+           pybind11::arg("group_size"), pybind11::arg("bias") = pybind11::none())
       .def("forward", &carousel::DecodeStack::forward, pybind11::arg("hidden"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("slots"),
            pybind11::arg("block_tables"), pybind11::arg("context_lens"),
+           pybind11::arg("quantized") = false,
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("__len__", &carousel::DecodeStack::num_layers);
 }

@@ -4,6 +4,9 @@
 
 #include <torch/extension.h>
 
+#include <array>
+#include <optional>
+#include <string>
 #include <tuple>
 
 namespace carousel {
@@ -72,17 +75,39 @@ class DecodeStack {
                  const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t num_heads,
                  int64_t num_kv_heads, double scale, int64_t window);
 
+  // A weight-only quantised copy of `projection` ("qkv", "o_proj", "gate", "up" or "down") of
+  // layer `layer`, which forward() takes in its `quantized` steps: torch's own kernels, no
+  // Carousel one. `group_size` > 0: aten::_weight_int4pack_mm_for_cpu (`weight` from
+  // _convert_weight_to_int4pack_for_cpu, `scales` its (K / group, N, 2) scales and zeros);
+  // 0: aten::_weight_int8pack_mm (`weight` int8 (N, K), `scales` one per output channel).
+  // `bias` (full precision, unpacked) is added after, as layers/quant_linear.py does. gate
+  // and up are quantised together or not at all.
+  void quantize(int64_t layer, const std::string& projection, const torch::Tensor& weight,
+                const torch::Tensor& scales, int64_t group_size,
+                const c10::optional<torch::Tensor>& bias);
+
   // `hidden` (N, H) is the residual stream fresh from the embedding, updated in place and
   // returned; cos and sin (N, head_dim); slots (N,) each token's cache slot; block_tables
-  // (N, nb) and context_lens (N,) as decode_attention takes them.
+  // (N, nb) and context_lens (N,) as decode_attention takes them. `quantized`: every
+  // projection with a copy from quantize() takes it (the MLP's gate and up then run apart,
+  // joined by silu_mul), the others their packed weight.
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos,
                         const torch::Tensor& sin, const torch::Tensor& slots,
-                        const torch::Tensor& block_tables,
-                        const torch::Tensor& context_lens) const;
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                        bool quantized) const;
 
   size_t num_layers() const { return layers_.size(); }
 
  private:
+  struct WeightOnly {
+    torch::Tensor weight, scales;
+    int64_t group_size;  // 0: int8 per output channel
+    c10::optional<torch::Tensor> bias;
+    torch::Tensor mm(const torch::Tensor& x) const;
+  };
+  enum Projection { kQkv, kOProj, kGate, kUp, kDown, kNumProjections };
+  using Copies = std::array<std::optional<WeightOnly>, kNumProjections>;
+
   struct Layer {
     torch::Tensor input_norm;
     double input_eps;
@@ -101,6 +126,7 @@ class DecodeStack {
     int64_t num_heads, num_kv_heads, head_dim;
     double scale;
     int64_t window;  // -1: none
+    Copies quantized;  // from quantize(), by Projection
   };
   std::vector<Layer> layers_;
 };
