@@ -24,6 +24,12 @@ from schedulers.sequence import Sequence
 CPU = torch.device("cpu")
 
 
+def kernels_off() -> bool:
+    from backends.torch import kernels
+
+    return kernels.native() is None
+
+
 def test_a_step_of_at_most_max_rows_takes_the_quantised_weight_and_larger_ones_the_dense() -> None:
     dense = Linear(torch.randn(16, 32))
     other = Int8Weight(torch.randn(16, 32))  # a different matrix: which one ran is visible
@@ -132,3 +138,27 @@ def test_auto_keys_on_kernel_availability_never_on_the_switches_among_carousels_
     assert resolve_mode(model, TorchBackendConfig(compile=True)) == "none"
     assert resolve_mode(model, TorchBackendConfig(quantization="gguf")) == "gguf"  # forced
     assert resolve_mode(tiny_model("llama"), TorchBackendConfig()) == "none"  # no GGUF
+
+
+@pytest.mark.skipif(kernels_off(), reason="no CPU kernels here")
+def test_r_is_timed_on_each_side_as_a_step_runs_it() -> None:
+    """Where gate and up are packed together, the dense side of the MLP's first half is that
+    one kernel (a step never calls the plain gate and up weights), and each pair's two sides
+    compute the same thing up to the int8 rounding."""
+    from backends.torch.quantization import _all_pairs, _int8_copies
+
+    b = backend(quantization="none")
+    linears = b.model.linears
+    pairs = _all_pairs(linears, _int8_copies(b.hf_model, linears))
+    assert all(lin.gate_up is not None for lin in linears)
+    assert [p.dense for p in pairs[:4]] == [
+        linears[0].qkv,
+        linears[0].o_proj,
+        linears[0].gate_up,
+        linears[0].down,
+    ]
+    assert len(pairs) == 4 * len(linears)
+    for pair in pairs:
+        x = torch.randn(3, pair.in_features, dtype=torch.bfloat16)
+        dense, quantized = pair.dense(x).float(), pair.quantized(x).float()
+        assert (quantized - dense).abs().max() <= 0.05 * dense.abs().max() + 1e-3

@@ -164,12 +164,23 @@ def _timed(call: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - began
 
 
+@dataclass(frozen=True)
+class Pair:
+    """One piece of a step both ways: `dense` and `quantized` each map (rows, in_features) to
+    the same output."""
+
+    dense: Callable[[torch.Tensor], torch.Tensor]
+    quantized: Callable[[torch.Tensor], torch.Tensor]
+    in_features: int
+
+
+def linear_pair(dense: Linear, quantized: QuantizedWeight) -> Pair:
+    return Pair(dense, quantized.mm, quantized.in_features)
+
+
 @torch.inference_mode()
 def measure_max_rows(
-    pairs: Sequence[tuple[Linear, QuantizedWeight]],
-    device: torch.device,
-    dtype: torch.dtype,
-    reps: int = 3,
+    pairs: Sequence[Pair], device: torch.device, dtype: torch.dtype, reps: int = 3
 ) -> int:
     """The most rows for which the quantised kernels beat the dense weights at every row count
     up to it; 0: never.
@@ -184,7 +195,7 @@ def measure_max_rows(
     for rows in CANDIDATE_ROWS:
         inputs = {
             k: torch.randn(rows, k, device=device, dtype=dtype)
-            for k in {dense.weight.shape[1] for dense, _ in pairs}
+            for k in {pair.in_features for pair in pairs}
         }
 
         run_dense, run_quantized = _passes(pairs, inputs)
@@ -199,31 +210,47 @@ def measure_max_rows(
 
 
 def _passes(
-    pairs: Sequence[tuple[Linear, QuantizedWeight]], inputs: dict[int, torch.Tensor]
+    pairs: Sequence[Pair], inputs: dict[int, torch.Tensor]
 ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """One pass over every pair's dense weight, and one over its quantised copy."""
+    """One pass over every pair's dense side, and one over its quantised side."""
 
     def run_dense() -> None:
-        for dense, _ in pairs:
-            dense(inputs[dense.weight.shape[1]])
+        for pair in pairs:
+            pair.dense(inputs[pair.in_features])
 
     def run_quantized() -> None:
-        for _, quantized in pairs:
-            quantized.mm(inputs[quantized.in_features])
+        for pair in pairs:
+            pair.quantized(inputs[pair.in_features])
 
     return run_dense, run_quantized
 
 
-def _all_pairs(
-    linears: Sequence[Any], copies: dict[str, QuantizedWeight]
-) -> list[tuple[Linear, QuantizedWeight]]:
-    """Every (dense, quantised) projection pair, layer by layer, in the forward's order."""
-    return [
-        (getattr(lin, k), copies[f"layers.{i}.{k}"])
-        for i, lin in enumerate(linears)
-        for k in _PROJECTIONS
-        if f"layers.{i}.{k}" in copies
-    ]
+def _all_pairs(linears: Sequence[Any], copies: dict[str, QuantizedWeight]) -> list[Pair]:
+    """Every layer's projections both ways, in the forward's order, each side as a step runs
+    it: where the MLP's gate and up are packed together (`gate_up`, one kernel that also
+    applies silu), the dense side is that kernel and the quantised side both copies and the
+    activation; timing the plain gate and up weights instead (torch's F.linear, which such a
+    step never calls) made the dense side look slower than it is."""
+    pairs = []
+    for i, lin in enumerate(linears):
+        quantized = {
+            k: copies[f"layers.{i}.{k}"] for k in _PROJECTIONS if f"layers.{i}.{k}" in copies
+        }
+        fused = lin.gate_up is not None and "gate" in quantized and "up" in quantized
+        for key, weight in quantized.items():
+            if fused and key == "gate":
+                up = quantized["up"]
+                pairs.append(Pair(lin.gate_up, _silu_mul(weight, up), weight.in_features))
+            elif not (fused and key == "up"):
+                pairs.append(linear_pair(getattr(lin, key), weight))
+    return pairs
+
+
+def _silu_mul(gate: QuantizedWeight, up: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(gate.mm(x)) * up.mm(x)
+
+    return run
 
 
 def quantize_linears(
@@ -256,7 +283,7 @@ def quantize_linears(
         _all_pairs(linears, copies), device, dtype
     )  # fmt: skip
     head_rows = fixed if fixed is not None else measure_max_rows(
-        [(lm_head, copies["lm_head"])], device, dtype
+        [linear_pair(lm_head, copies["lm_head"])], device, dtype
     )  # fmt: skip
     aten = kernels  # torch's weight-only ops are named in kernels.py
     ops = []
