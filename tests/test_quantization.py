@@ -122,7 +122,7 @@ def gguf_model() -> PreTrainedModel:
 
 
 @pytest.mark.parametrize("kernels_compute", [True, False])
-def test_auto_keys_on_kernel_availability_never_on_the_switches_among_carousels_paths(
+def test_auto_serves_a_ggufs_blocks_whatever_the_switches_among_carousels_paths_say(
     monkeypatch: pytest.MonkeyPatch, kernels_compute: bool
 ) -> None:
     from backends.torch import kernels
@@ -130,13 +130,12 @@ def test_auto_keys_on_kernel_availability_never_on_the_switches_among_carousels_
 
     monkeypatch.setattr(kernels, "computes", lambda dtype, device_type="cpu": kernels_compute)
     model = gguf_model()
-    expected = "none" if kernels_compute else "gguf"
     switches = [{}, {"native_layers": False}, {"cpu_kernels": False}, {"fuse_mlp": False},
                 {"prepack_weights": False}]  # fmt: skip
     for fields in switches:  # an A/B of any of these keeps the weights of the other arm
-        assert resolve_mode(model, TorchBackendConfig(**fields)) == expected, fields  # type: ignore[arg-type]
+        assert resolve_mode(model, TorchBackendConfig(**fields)) == "gguf", fields  # type: ignore[arg-type]
     assert resolve_mode(model, TorchBackendConfig(compile=True)) == "none"
-    assert resolve_mode(model, TorchBackendConfig(quantization="gguf")) == "gguf"  # forced
+    assert resolve_mode(model, TorchBackendConfig(quantization="none")) == "none"
     assert resolve_mode(tiny_model("llama"), TorchBackendConfig()) == "none"  # no GGUF
 
 

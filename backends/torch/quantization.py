@@ -6,12 +6,12 @@
 - `int8`: every linear and the LM head quantised per output channel (weight-only int8);
 - `none`: the full-precision weights only (today's path, and the fp32 HF oracle's);
 - `auto` (the default): `gguf` for a model loaded from a GGUF file, else `none`; but `none`
-  where quantised linears cannot run (tensor parallelism, `--compile`) and wherever Carousel's
-  own CPU kernels compute the serving dtype on this CPU (`carousel_kernels_compute`): there
-  their bf16 step was measured faster than torch's int4 op (docs/benchmarks.md). The rule
-  keys on kernel availability only, never on the switches that choose among Carousel's paths
-  (`cpu_kernels`, `native_layers`, `fuse_mlp`, `prepack_weights`), so an A/B of one of those
-  never also swaps the weights; `gguf` forces the blocks.
+  where quantised linears cannot run (tensor parallelism, `--compile`). The rule never reads
+  the switches that choose among Carousel's paths (`cpu_kernels`, `native_layers`,
+  `fuse_mlp`, `prepack_weights`), so an A/B of one of those never also swaps the weights;
+  `gguf` forces the blocks. With Carousel's CPU kernels the quantised steps run in the native
+  decode stack (decode_stack.py): one sequence's step 1.2-1.5x faster than bf16 on the 2-core
+  Zen 4, steps past `R` the same (docs/benchmarks.md).
 
 Each quantised linear (layers/quant_linear.py) takes its kernel for steps of at most `R` rows
 and the full-precision weight otherwise. `R` is measured at load (`measure_max_rows`: both
@@ -68,24 +68,12 @@ def from_gguf_file(hf_model: PreTrainedModel, ref: str) -> bool:
     return source is not None and loaded_from == str(source[1])
 
 
-def carousel_kernels_compute(hf_model: PreTrainedModel) -> bool:
-    """Whether Carousel's CPU kernels build here and compute this model's dtype on its device.
-
-    There `auto` keeps full precision: on the 2-core Zen 4 their bf16 decode step took 23.2 ms
-    at one sequence against 42.7 ms through torch's int4 op (docs/benchmarks/history/).
-    """
-    weight = hf_model.lm_head.weight
-    return weight.device.type == "cpu" and kernels.computes(weight.dtype)
-
-
 def resolve_mode(hf_model: PreTrainedModel, config: TorchBackendConfig) -> str:
     """`config.quantization` with `auto` settled; raises ValueError for `gguf` on no GGUF."""
     mode = config.quantization
     if mode == AUTO:
         eager_one_rank = config.tensor_parallel_size == 1 and not config.compile
-        if not eager_one_rank or carousel_kernels_compute(hf_model):
-            return NONE
-        return GGUF if from_gguf_file(hf_model, config.model) else NONE
+        return GGUF if eager_one_rank and from_gguf_file(hf_model, config.model) else NONE
     if mode == GGUF and not from_gguf_file(hf_model, config.model):
         raise ValueError(
             f"quantization 'gguf' needs a GGUF model (the default or a .gguf file), not "
