@@ -6,9 +6,14 @@
 The endpoints are given and started as in scripts/single_stream.py (`--llama-server`, first
 when given, `--quantization`, `--carousel`, `--url`). Each answers every prompt of `PROMPTS`
 once, unstreamed, at temperature 0 with `max_tokens` (default 64), stopping where the model
-stops. Per endpoint after the first it prints how many answers equal the first endpoint's
-exactly, and the mean share of the first endpoint's words that each answer repeats before
-the two part (1.0: every answer the same). Greedy decoding through different kernels
+stops. The prompts go to `/v1/completions` as text already in the chat template of Carousel's
+default model (its tokenizer's `apply_chat_template`, which adds SmolLM2's default system
+prompt), so every endpoint reads the same tokens: through `/v1/chat/completions` llama.cpp's
+server applies a template of its own, and its answers then part from the first word.
+
+Per endpoint after the first it prints how many answers equal the first endpoint's exactly,
+and the mean share of the first endpoint's words that each answer repeats before the two part
+(1.0: every answer the same). Greedy decoding through different kernels
 (llama.cpp's Q4_1 x Q8_1 dot products, torch's int4 op, bf16) rounds differently, so two
 answers part where the top two tokens were nearly tied; this reports how often, it does not
 require any agreement.
@@ -82,20 +87,40 @@ def agreement(reference: list[str], answers: list[str]) -> Agreement:
     return Agreement(exact, len(answers), statistics.fmean(prefixes) if prefixes else 1.0)
 
 
-async def answers(endpoint: Endpoint, max_tokens: int) -> list[str]:
-    """`endpoint`'s greedy answer to every prompt, one at a time."""
+def templated_prompts() -> list[str]:
+    """`PROMPTS` as user turns in the default model's chat template, ready for the answer."""
+    from transformers import AutoTokenizer
+
+    from backends.torch.loader import ensure_converted, gguf_source
+
+    source = gguf_source("default")
+    assert source is not None
+    ensure_converted(*source)
+    tokenizer = AutoTokenizer.from_pretrained(source[1])
+    return [
+        str(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+        )
+        for p in PROMPTS
+    ]
+
+
+async def answers(endpoint: Endpoint, prompts: list[str], max_tokens: int) -> list[str]:
+    """`endpoint`'s greedy completion of every prompt, one at a time."""
     out = []
     async with httpx.AsyncClient(timeout=300) as client:
-        for prompt in PROMPTS:
+        for prompt in prompts:
             body = {
                 "model": endpoint.model,
-                "messages": [{"role": "user", "content": prompt}],
+                "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0,
             }
-            response = await client.post(f"{endpoint.url}/chat/completions", json=body)
+            response = await client.post(f"{endpoint.url}/completions", json=body)
             response.raise_for_status()
-            out.append(response.json()["choices"][0]["message"]["content"] or "")
+            out.append(response.json()["choices"][0]["text"] or "")
     return out
 
 
@@ -114,7 +139,8 @@ def main() -> None:
     with servers(args, args.log_dir) as endpoints:
         if len(endpoints) < 2:
             parser.error("give at least two endpoints: the first is the reference")
-        texts = {e.name: asyncio.run(answers(e, args.max_tokens)) for e in endpoints}
+        prompts = templated_prompts()
+        texts = {e.name: asyncio.run(answers(e, prompts, args.max_tokens)) for e in endpoints}
     first = endpoints[0].name
     rows = []
     for endpoint in endpoints[1:]:
