@@ -99,6 +99,31 @@ def quantized_fields(quantized: str, monkeypatch: pytest.MonkeyPatch) -> dict[st
     return {"quantization": "int8", "quantization_max_rows": QUANTIZED_ROWS}
 
 
+def prefill_of(seqs: list[Sequence]) -> Batch:
+    batch = Batch(0)
+    for seq in seqs:
+        batch.add(seq, seq.num_prompt_tokens)
+    return batch
+
+
+def decodes_of(seqs: list[Sequence]) -> Batch:
+    batch = Batch(0)
+    for seq in seqs:
+        batch.add(seq, 1)
+    return batch
+
+
+def step_both(native: PagedCausalLM, loop: PagedCausalLM, batch: Batch) -> None:
+    """One step of `batch` on both models: the same logits bit for bit; greedy tokens kept."""
+    inputs = prepare_inputs(batch, BLOCK, CPU)
+    args = (inputs.input_ids, inputs.positions, inputs.layout)
+    got, want = native(*args), loop(*args)
+    assert torch.equal(got, want)
+    for seq, token in zip(batch.seqs, want.argmax(-1).tolist(), strict=True):
+        seq.num_computed_tokens = seq.num_tokens
+        seq.output_token_ids.append(token)
+
+
 @pytest.mark.parametrize("quantized", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -123,26 +148,10 @@ def test_decode_steps_through_the_stack_give_the_python_loops_logits_bit_for_bit
     assert native._plan is not None
     most = native._plan.max_rows
     seqs = sequences(random.Random(arch), most + 1)
-
-    def step(batch: Batch) -> None:
-        inputs = prepare_inputs(batch, BLOCK, CPU)
-        args = (inputs.input_ids, inputs.positions, inputs.layout)
-        got, want = native(*args), loop(*args)
-        assert torch.equal(got, want)
-        for seq, token in zip(batch.seqs, want.argmax(-1).tolist(), strict=True):
-            seq.num_computed_tokens = seq.num_tokens
-            seq.output_token_ids.append(token)
-
-    prefill = Batch(0)
-    for seq in seqs:
-        prefill.add(seq, seq.num_prompt_tokens)
-    step(prefill)  # prefills: the loop on both sides
+    step_both(native, loop, prefill_of(seqs))  # prefills: the loop on both sides
     assert counting.calls == 0
     for num_decodes in (1, 2, QUANTIZED_ROWS, QUANTIZED_ROWS + 1, 33, most, most + 1, most):
-        batch = Batch(0)
-        for seq in seqs[:num_decodes]:
-            batch.add(seq, 1)
-        step(batch)
+        step_both(native, loop, decodes_of(seqs[:num_decodes]))
     assert counting.calls == 7  # every decode-only step but the one past the plan
     assert counting.quantized_calls == (0 if quantized == "none" else 3)
 
@@ -166,22 +175,9 @@ def test_quantised_steps_the_stack_cannot_run_as_the_loop_does_take_the_loop(
     counting = CountingStack(native.native_layers.stack)
     native.native_layers.stack = counting
     seqs = sequences(random.Random(1), 8)
-    prefill = Batch(0)
-    for seq in seqs:
-        prefill.add(seq, seq.num_prompt_tokens)
-    for batch_size in (None, 1, 8, 3):
-        batch = prefill
-        if batch_size is not None:
-            batch = Batch(0)
-            for seq in seqs[:batch_size]:
-                batch.add(seq, 1)
-        inputs = prepare_inputs(batch, BLOCK, CPU)
-        args = (inputs.input_ids, inputs.positions, inputs.layout)
-        got, want = native(*args), loop(*args)
-        assert torch.equal(got, want)
-        for seq, token in zip(batch.seqs, want.argmax(-1).tolist(), strict=True):
-            seq.num_computed_tokens = seq.num_tokens
-            seq.output_token_ids.append(token)
+    step_both(native, loop, prefill_of(seqs))
+    for batch_size in (1, 8, 3):
+        step_both(native, loop, decodes_of(seqs[:batch_size]))
     assert (counting.calls, counting.quantized_calls) == (1, 0)  # the 8-row step only
 
 
