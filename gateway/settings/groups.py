@@ -94,8 +94,7 @@ class ModelSettings(BaseModel):
     quantization: Literal["auto", "gguf", "int8", "none"] = Field(
         "auto",
         description="weight-only quantised linears for small steps: auto (a GGUF's own 4-bit "
-        "blocks where Carousel's CPU kernels do not compute the dtype here, else none), gguf "
-        "(force the blocks), int8 (per output channel), none",
+        "blocks, else none), gguf (force the blocks), int8 (per output channel), none",
         json_schema_extra={**torch_only(), **per_arm()},
     )
     quantization_max_rows: int | None = Field(
