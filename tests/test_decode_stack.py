@@ -18,6 +18,7 @@ from backends.torch.inputs import prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.quant_weights import Int4Weight, Int8Weight, QuantizedWeight
+from backends.torch.quantization import PROJECTIONS
 from backends.torch.runner import TorchBackend
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from schedulers.batch import Batch
@@ -51,7 +52,6 @@ class CountingStack:
 
 
 QUANTIZED_ROWS = 7
-PROJECTIONS = ("qkv", "o_proj", "gate", "up", "down")
 
 
 def random_int4_copies(

@@ -31,8 +31,7 @@ from backends.torch.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from backends.torch.kv_cache import KVCache
 from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.packed import Linear, PackPlan
-
-_QUANTIZABLE = ("qkv", "o_proj", "gate", "up", "down")
+from backends.torch.quantization import PROJECTIONS
 
 
 class NativeDecodeLayers:
@@ -90,8 +89,14 @@ class NativeDecodeLayers:
                 num_kv_heads=spec.num_kv_heads, scale=spec.scale,
                 window=-1 if spec.sliding_window is None else spec.sliding_window,
             )  # fmt: skip
-        op_rows = _quantized_rows(linears)
-        quantized_rows = op_rows if _give_copies(stack, linears) else 0
+        ops = _quantized_ops(linears)
+        op_rows = max((op.max_rows for _, _, op in ops), default=0)
+        quantized_rows = 0
+        if _stack_runs(ops):
+            for index, key, op in ops:
+                weight, scales, group_size = op.quantized.stack_args()
+                stack.quantize(index, key, weight, scales, group_size, op.dense.bias)
+            quantized_rows = op_rows
         return cls(stack, linears, plan, quantized_rows, op_rows)
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata, linears: Sequence[Any]) -> bool:
@@ -122,33 +127,22 @@ def _dense(op: Any) -> Any:
     return op.dense if isinstance(op, QuantLinear) else op
 
 
-def _quantized_rows(linears: Sequence[Any]) -> int:
-    """The most rows for which the linears take their quantised copies (0: none do)."""
-    rows = {
-        op.max_rows
-        for lin in linears
-        for op in (getattr(lin, key) for key in _QUANTIZABLE)
-        if isinstance(op, QuantLinear) and op.uses_kernels
-    }
-    return max(rows, default=0)
+def _quantized_ops(linears: Sequence[Any]) -> list[tuple[int, str, QuantLinear]]:
+    """(layer, projection, op) of every projection that takes a quantised copy."""
+    return [
+        (index, key, op)
+        for index, lin in enumerate(linears)
+        for key in PROJECTIONS
+        if isinstance(op := getattr(lin, key), QuantLinear) and op.uses_kernels
+    ]
 
 
-def _give_copies(stack: Any, linears: Sequence[Any]) -> bool:
-    """Hand every quantised copy of `linears` to `stack`; False (none handed) where the stack
-    could not run a quantised step as the loop does (copies of different rows, a gate
-    quantised without its up, or the reverse)."""
-    copies: list[tuple[int, str, QuantLinear]] = []
-    for index, lin in enumerate(linears):
-        for key in _QUANTIZABLE:
-            op = getattr(lin, key)
-            if isinstance(op, QuantLinear) and op.uses_kernels:
-                copies.append((index, key, op))
-        quantized = {key for i, key, _ in copies if i == index}
-        if ("gate" in quantized) != ("up" in quantized):
-            return False
-    if len({op.max_rows for _, _, op in copies}) > 1:
+def _stack_runs(ops: Sequence[tuple[int, str, QuantLinear]]) -> bool:
+    """Whether the stack can run a quantised step of `ops` as the loop does: not where the
+    copies take different rows, or a layer's gate is quantised without its up (or the
+    reverse)."""
+    if len({op.max_rows for _, _, op in ops}) > 1:
         return False
-    for index, key, op in copies:
-        weight, scales, group_size = op.quantized.stack_args()
-        stack.quantize(index, key, weight, scales, group_size, op.dense.bias)
-    return True
+    gates = {index for index, key, _ in ops if key == "gate"}
+    ups = {index for index, key, _ in ops if key == "up"}
+    return gates == ups

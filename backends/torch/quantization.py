@@ -44,7 +44,8 @@ log = engine_log()
 AUTO, GGUF, INT8, NONE = QUANTIZATIONS
 #: row counts `measure_max_rows` tries, in order (a step past the last takes bf16 anyway)
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-_PROJECTIONS = ("qkv", "o_proj", "gate", "up", "down")
+#: a layer's projections that may have quantised copies (`_LayerLinears` fields, model.py)
+PROJECTIONS = ("qkv", "o_proj", "gate", "up", "down")
 _CACHE_ATTR = "_carousel_quantized"
 
 
@@ -115,7 +116,7 @@ def _int4_copies(
 def _int8_copies(hf_model: PreTrainedModel, linears: Sequence[Any]) -> dict[str, QuantizedWeight]:
     out: dict[str, QuantizedWeight] = {}
     for i, lin in enumerate(linears):
-        for key in _PROJECTIONS:
+        for key in PROJECTIONS:
             out[f"layers.{i}.{key}"] = Int8Weight(getattr(lin, key).weight)
     out["lm_head"] = Int8Weight(hf_model.lm_head.weight)
     return out
@@ -222,7 +223,7 @@ def _all_pairs(linears: Sequence[Any], copies: dict[str, QuantizedWeight]) -> li
     pairs = []
     for i, lin in enumerate(linears):
         quantized = {
-            k: copies[f"layers.{i}.{k}"] for k in _PROJECTIONS if f"layers.{i}.{k}" in copies
+            k: copies[f"layers.{i}.{k}"] for k in PROJECTIONS if f"layers.{i}.{k}" in copies
         }
         fused = lin.gate_up is not None and "gate" in quantized and "up" in quantized
         for key, weight in quantized.items():
@@ -253,7 +254,7 @@ def quantize_linears(
     """
     weight = hf_model.lm_head.weight
     device, dtype = weight.device, weight.dtype
-    plain = [{k: getattr(lin, k) for k in _PROJECTIONS} for lin in linears]
+    plain = [{k: getattr(lin, k) for k in PROJECTIONS} for lin in linears]
     packed = [lm_head.packed, *(lin.packed for layer in plain for lin in layer.values())]
     packed += [lin.gate_up.packed for lin in linears if lin.gate_up is not None]
     report = QuantizationReport(mode)
