@@ -50,6 +50,11 @@ class RequestContext:
     engine_request_id: str = ""
     #: the first token's deadline, ms after arrival (`X-Carousel-Deadline-Ms`; `edf` reads it)
     deadline_ms: float | None = None
+    #: the principal's shortest deadline, ms (its key file's `min_deadline_ms`; None: any)
+    min_deadline_ms: float | None = None
+    #: the priority to run at, within the principal's `min_priority` (gateway/api/scheduling.py;
+    #: None: not bounded by a route, as for a shadow copy: the request's own)
+    priority: int | None = None
     #: who sent it: the principal its API key resolves to (never the key itself)
     principal: str = "anonymous"
     #: called once when the arm has accepted the request (shadow arms get their copy then)

@@ -33,9 +33,12 @@ class SamplingParams:
     compile itself (so a bad grammar is a 400 before anything is queued) and hands over
     the compiled grammar.
 
-    `user` (the principal: the request's `user` field) and `deadline_ms` (the first token's
-    deadline, milliseconds after arrival, from `X-Carousel-Deadline-Ms`) are scheduling hints
-    read by the policies that order by them (`fair`, `edf`); sampling ignores them.
+    Scheduling hints, read by the policies that order by them; sampling ignores them:
+    `principal` is whom the request is served for (`fair` shares service by it): the gateway
+    gives the name its API key resolves to, or the request's `user` on a gateway without keys.
+    `deadline_ms` is the first token's deadline, ms after arrival (`X-Carousel-Deadline-Ms`;
+    `edf`), and `min_deadline_ms` the earliest the principal may have (its key file's cap:
+    `edf` lifts a default deadline to it).
     """
 
     max_tokens: int = 16
@@ -54,8 +57,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     grammar: GrammarHandle | None = field(default=None, compare=False, repr=False)
-    user: str | None = None
+    principal: str | None = None
     deadline_ms: float | None = None
+    min_deadline_ms: float | None = None
 
     def __post_init__(self) -> None:
         problems = list(self.problems())
@@ -88,8 +92,10 @@ class SamplingParams:
             out.append(("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"))
         if self.n < 1:
             out.append(("n", f"n must be at least 1, got {self.n}"))
-        if self.deadline_ms is not None and not self.deadline_ms > 0:
-            out.append(("deadline_ms", f"deadline_ms must be positive, got {self.deadline_ms}"))
+        for name in ("deadline_ms", "min_deadline_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                out.append((name, f"{name} must be positive, got {value}"))
         return out
 
     @property

@@ -35,6 +35,15 @@ def test_the_arms_ttft_slo_is_the_deadline_of_requests_without_one() -> None:
     assert admitted_order(sched) == [default, explicit]
 
 
+def test_a_principals_min_deadline_lifts_the_arms_slo_for_its_requests() -> None:
+    sched = make_scheduler("edf", max_num_seqs=1, edf_ttft_slo_ms=100)
+    capped, other = make_seq(4, 3), due_in(make_seq(4, 3), 1000)
+    capped.sampling_params = dataclasses.replace(capped.sampling_params, min_deadline_ms=5000)
+    sched.add(capped)
+    sched.add(other)
+    assert admitted_order(sched) == [other, capped]
+
+
 def test_late_requests_run_after_the_on_time_ones() -> None:
     sched = make_scheduler("edf", max_num_seqs=1)
     late = waited(due_in(make_seq(4, 3), 100), 0.5)

@@ -1,6 +1,7 @@
 """`edf` over HTTP: the `X-Carousel-Deadline-Ms` header reaches the scheduler (a bad value is
 a 400 naming it), and under `edf_late=refuse` a request that cannot start in time is an
-OpenAI-shaped 429 `deadline_exceeded`; the `user` field reaches `fair`."""
+OpenAI-shaped 429 `deadline_exceeded`; on a gateway without keys the `user` field reaches the
+scheduler as the principal (tests/test_fair_gateway.py: with keys, the key's principal)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_a_request_that_cannot_start_by_its_deadline_is_a_429(
     assert_all_blocks_free(srv)
 
 
-def test_the_request_user_and_deadline_reach_the_scheduler(
+def test_the_request_user_and_deadline_reach_the_scheduler_without_keys(
     make_server: Callable[..., LiveServer],
 ) -> None:
     srv = make_server(edf_arm())
@@ -70,7 +71,7 @@ def test_the_request_user_and_deadline_reach_the_scheduler(
 
     def spy(seq: object) -> None:
         params = seq.sampling_params  # type: ignore[attr-defined]
-        seen.append((params.user, params.deadline_ms))
+        seen.append((params.principal, params.deadline_ms))
         add(seq)  # type: ignore[arg-type]
 
     scheduler.add = spy  # type: ignore[method-assign]

@@ -13,8 +13,8 @@ from tests.test_scheduler import make_scheduler, make_seq, run_step
 from tests.test_sjf import admitted_order
 
 
-def of(user: str, seq: Sequence) -> Sequence:
-    seq.sampling_params = dataclasses.replace(seq.sampling_params, user=user)
+def of(name: str, seq: Sequence) -> Sequence:
+    seq.sampling_params = dataclasses.replace(seq.sampling_params, principal=name)
     return seq
 
 
@@ -35,7 +35,7 @@ def test_principals_alternate_under_equal_weights() -> None:
     b = [of("b", make_seq(4, 4)) for _ in range(4)]
     for seq in (*a, *b):
         sched.add(seq)
-    users = [s.sampling_params.user for s in admitted_order(sched)]
+    users = [s.sampling_params.principal for s in admitted_order(sched)]
     assert users == ["a", "b"] * 4
 
 
@@ -45,7 +45,7 @@ def test_a_weight_of_two_gets_twice_the_admissions() -> None:
     plain = [of("plain", make_seq(4, 4)) for _ in range(8)]
     for seq in (*gold, *plain):
         sched.add(seq)
-    first_nine = [s.sampling_params.user for s in admitted_order(sched)][:9]
+    first_nine = [s.sampling_params.principal for s in admitted_order(sched)][:9]
     assert first_nine.count("gold") == 6 and first_nine.count("plain") == 3
 
 
@@ -58,7 +58,7 @@ def test_a_returning_principal_banks_no_credit_while_idle() -> None:
     busy = [of("busy", make_seq(4, 4)) for _ in range(3)]
     for seq in (*late, *busy):
         sched.add(seq)
-    users = [s.sampling_params.user for s in admitted_order(sched)]
+    users = [s.sampling_params.principal for s in admitted_order(sched)]
     assert users[:4] != ["late"] * 3 + ["busy"]  # without the lift "late" would run 3 in a row
     assert "busy" in users[:3]
 

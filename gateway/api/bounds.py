@@ -42,5 +42,5 @@ def _check_metadata(value: Any) -> Any:
 
 #: `metadata`: string pairs within OpenAI's limits
 Metadata = Annotated[dict[str, str], BeforeValidator(_check_metadata)]
-#: `user`: an end-user id for sticky arm choice and fair scheduling
+#: `user`: an end-user id for sticky arm choice (and `fair`'s principal without API keys)
 User = Annotated[str, Field(max_length=MAX_USER_CHARS)]

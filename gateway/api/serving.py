@@ -1,8 +1,9 @@
 """The one local pipeline every endpoint shares: preprocess -> generate -> build.
 
     check fields -> output plan (tools, grammar; its compile starts) -> prompts (token ids)
-    -> context budget -> SamplingParams (+ the compiled grammar, awaited) -> engine
-    stream -> (stream) chunk payloads | (non-stream) collect -> response body
+    -> context budget -> SamplingParams (+ the compiled grammar, awaited; whom it is served
+    for, its deadline: gateway/api/scheduling.py) -> engine stream (at its priority)
+    -> (stream) chunk payloads | (non-stream) collect -> response body
 
 An endpoint supplies only what differs: how its request becomes a plan, prompts and
 parameters (`plan`, `prompts`, `requested_max_tokens`, `logprobs`) and how outputs become
@@ -31,6 +32,7 @@ from gateway.api.pipeline import (
     open_stream,
     sampling_params,
 )
+from gateway.api.scheduling import scheduled_priority, served_for
 from gateway.context import RequestContext
 from gateway.services import RequestServices
 from schedulers.client import RequestStream
@@ -63,9 +65,13 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         grammar = await finish_compile(pending, plan, runtime.options.retry_after_s)
         if grammar is not None:
             params = dataclasses.replace(params, grammar=grammar)
-        user = getattr(request, "user", None)
-        params = dataclasses.replace(params, user=user, deadline_ms=ctx.deadline_ms)
-        priority = getattr(request, "priority", 0)
+        params = dataclasses.replace(
+            params,
+            principal=served_for(ctx.principal, getattr(request, "user", None)),
+            deadline_ms=ctx.deadline_ms,
+            min_deadline_ms=ctx.min_deadline_ms,
+        )
+        priority = scheduled_priority(ctx, request)
         stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
         ctx.accept()
         if request.stream:

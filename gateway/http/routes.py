@@ -22,6 +22,7 @@ from gateway.api.errors import APIError, error_body, from_validation_error, inva
 from gateway.api.outputs.plan import problem_error
 from gateway.api.protocol import ModelCard, ModelList
 from gateway.api.responses.store import previous_not_found
+from gateway.api.scheduling import DEADLINE_HEADER, bound_request
 from gateway.api.table import ENDPOINTS
 from gateway.arms.choice import ARM_HEADER
 from gateway.arms.deployment import Deployment
@@ -35,8 +36,6 @@ from gateway.state import GatewayState
 from schedulers.load_phase import current_load_phase
 
 router = APIRouter()
-#: the first token's deadline, in ms after arrival, for deadline-aware policies (`edf`)
-DEADLINE_HEADER = "X-Carousel-Deadline-Ms"
 v1 = APIRouter(prefix="/v1")
 
 
@@ -86,7 +85,7 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         parsed = parse(endpoint.request_model, body)
         # NOTE: cut: the access log line, metrics and errors show it (a 1 MB model, logged)
         ctx.model, ctx.stream, ctx.raw_body = shown(parsed.model), bool(parsed.stream), body
-        ctx.deadline_ms = deadline_ms(request.headers.get(DEADLINE_HEADER))
+        bound_request(ctx, parsed, principal, request.headers.get(DEADLINE_HEADER))
         deployment = state.deployments.get(parsed.model)
         continued = await _owner_arm(state, deployment, parsed, principal.name)
         pinned = request.headers.get(ARM_HEADER)
@@ -118,22 +117,6 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
     )
     response.headers.update(headers)
     return response
-
-
-def deadline_ms(value: str | None) -> float | None:
-    """The `X-Carousel-Deadline-Ms` header as a positive number of ms (None when absent)."""
-    if value is None:
-        return None
-    try:
-        deadline = float(value)
-    except ValueError:
-        deadline = -1.0
-    if not 0 < deadline < float("inf"):
-        raise invalid(
-            f"{DEADLINE_HEADER} must be a positive number of milliseconds, got {value!r}.",
-            DEADLINE_HEADER,
-        )
-    return deadline
 
 
 async def _owner_arm(

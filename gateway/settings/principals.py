@@ -7,6 +7,8 @@ principals:                 # in the --config file, or alone in --api-key-file
     allowed_arms: [vllm]    # zero-weight arms this principal may pin (X-Carousel-Arm)
     max_in_flight: 8        # 429 beyond this many of its requests at once
     max_stored_bytes: 1048576   # its share of the response store
+    min_priority: 5         # its most urgent `priority` (lower runs first); lower is a 400
+    min_deadline_ms: 2000   # its shortest X-Carousel-Deadline-Ms; a shorter one is a 400
   - name: ops
     keys: ["sk-ops-1"]
     admin: true             # may call /admin/... (`carousel rollout`); others then get 403
@@ -15,7 +17,13 @@ principals:                 # in the --config file, or alone in --api-key-file
 A key given by `--api-key` is a principal of its own, named `key-<8 hex of its sha256>` (so
 the name says nothing of the secret). Keys need not be on the command line: the file named by
 `--api-key-file` (`CAROUSEL_API_KEY_FILE`) holds the same list, or a mapping with
-`principals:`. With no key at all every request is the principal `anonymous`.
+`principals:`. With no key at all every request is the principal `anonymous` (a name no key
+file may take).
+
+`min_priority` and `min_deadline_ms` bound what the principal's requests may ask of the
+scheduler (gateway/api/scheduling.py): asking beyond them is a 400, and a request that asks
+nothing is never given more (its priority is at least `min_priority`, its first-token deadline
+at least `min_deadline_ms`).
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, field_validator
 
 PRINCIPAL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
 ANONYMOUS_NAME = "anonymous"
+#: the range of a request's `priority` (gateway/api/protocol.py)
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 class PrincipalSettings(BaseModel):
@@ -43,11 +53,26 @@ class PrincipalSettings(BaseModel):
     max_in_flight: int | None = Field(None, ge=1)
     max_stored_bytes: int | None = Field(None, ge=1)
     admin: bool = False
+    min_priority: int | None = Field(None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    min_deadline_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    @field_validator("name")
+    @classmethod
+    def _not_anonymous(cls, name: str) -> str:
+        if name == ANONYMOUS_NAME:
+            raise ValueError(f"{ANONYMOUS_NAME!r} is the name of requests without a key")
+        return name
 
     def principal(self) -> Principal:
         arms = None if self.allowed_arms is None else frozenset(self.allowed_arms)
         return Principal(
-            self.name, arms, self.max_in_flight, self.max_stored_bytes, admin=self.admin
+            self.name,
+            arms,
+            self.max_in_flight,
+            self.max_stored_bytes,
+            admin=self.admin,
+            min_priority=self.min_priority,
+            min_deadline_ms=self.min_deadline_ms,
         )
 
 
@@ -64,6 +89,10 @@ class Principal:
     max_stored_bytes: int | None = None
     #: may call the `/admin/...` routes (with any admin configured, only admins may)
     admin: bool = False
+    #: the most urgent `priority` its requests may have (lower runs first; None: any)
+    min_priority: int | None = None
+    #: the shortest first-token deadline its requests may have, in ms (None: any)
+    min_deadline_ms: float | None = None
 
 
 ANONYMOUS = Principal(ANONYMOUS_NAME)

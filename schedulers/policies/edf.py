@@ -1,7 +1,8 @@
 """`edf`: iteration-level scheduling, earliest deadline first.
 
 A sequence's first token is due `deadline_ms` after its arrival (the request's
-`X-Carousel-Deadline-Ms` header), else `edf_ttft_slo_ms` after it (the arm's TTFT SLO).
+`X-Carousel-Deadline-Ms` header), else `edf_ttft_slo_ms` after it (the arm's TTFT SLO), and
+never before its principal's `min_deadline_ms` (`SamplingParams.min_deadline_ms`).
 Waiting sequences are admitted earliest deadline first. A sequence still waiting past its
 deadline cannot make it: under `edf_late=last` it runs after every on-time one (late ones by
 deadline; any that waited `edf_max_wait_s` goes first, so none starves), under
@@ -66,8 +67,11 @@ class EdfScheduler(OrcaScheduler):
     options: EdfOptions
 
     def deadline(self, seq: Sequence) -> float:
-        """When the first token is due (seconds on `self.clock`)."""
-        deadline_ms = seq.sampling_params.deadline_ms or self.options.edf_ttft_slo_ms
+        """When the first token is due (seconds on `self.clock`): as asked, else the SLO,
+        never before the principal's `min_deadline_ms`."""
+        params = seq.sampling_params
+        deadline_ms = params.deadline_ms or self.options.edf_ttft_slo_ms
+        deadline_ms = max(deadline_ms, params.min_deadline_ms or 0.0)
         return seq.arrival_time + deadline_ms / 1000
 
     def next_token_deadline(self, seq: Sequence) -> float:

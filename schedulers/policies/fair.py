@@ -1,8 +1,9 @@
 """`fair`: iteration-level scheduling with per-principal virtual token counters.
 
 The Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language Models"
-(OSDI '24): each principal (the request's `user`; requests without one share the principal
-"") has a counter of the service it received, prompt tokens computed weighed by
+(OSDI '24): each principal (`SamplingParams.principal`: the name the request's API key
+resolves to, or its `user` on a gateway without keys; requests with neither share the
+principal "") has a counter of the service it received, prompt tokens computed weighed by
 `fair_input_weight` and output tokens by `fair_output_weight`, divided by its weight
 (`fair_weights`, default 1). Each admission takes the earliest waiting sequence of the
 principal with the smallest counter. A principal that comes back after having nothing
@@ -71,8 +72,8 @@ class FairOptions:
 
 
 def principal(seq: Sequence) -> str:
-    """Whom a sequence is served for: its request's `user` ("" when it has none)."""
-    return seq.sampling_params.user or ""
+    """Whom a sequence is served for: its `SamplingParams.principal` ("" when it has none)."""
+    return seq.sampling_params.principal or ""
 
 
 @register_scheduler("fair")
@@ -92,17 +93,17 @@ class FairScheduler(OrcaScheduler):
         self._last_served = ""  # the principal of the last sequence to finish
 
     def add(self, seq: Sequence) -> None:
-        user = principal(seq)
+        name = principal(seq)
         active = self._active_counters()
-        if user not in active:
+        if name not in active:
             floor = min(active.values()) if active else self.counters[self._last_served]
-            self.counters[user] = max(self.counters[user], floor)
+            self.counters[name] = max(self.counters[name], floor)
         super().add(seq)
 
     def _active_counters(self) -> dict[str, float]:
         """The counters of the principals with a sequence queued or running."""
-        users = {principal(s) for s in (*self.waiting, *self.running)}
-        return {user: self.counters[user] for user in users}
+        names = {principal(s) for s in (*self.waiting, *self.running)}
+        return {name: self.counters[name] for name in names}
 
     def _admit_waiting(self, batch: Batch, budget: int) -> None:
         """Admit the earliest ready sequence of the least-served principal, repeatedly;
