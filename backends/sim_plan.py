@@ -180,6 +180,16 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class RequestTiming:
+    """One job in virtual seconds: when it arrived, its TTFT, end-to-end latency and TPOT."""
+
+    arrival_s: float
+    ttft_s: float
+    e2e_s: float
+    tpot_s: float
+
+
+@dataclass(frozen=True)
 class PlanResult:
     """One policy's run, in virtual seconds."""
 
@@ -196,6 +206,8 @@ class PlanResult:
     max_waiting: int
     #: median end-to-end latency per generated token (the Orca paper's normalised latency)
     normalized_latency_p50_s: float = math.nan
+    #: each job's own timings, by job (NaN: refused); scripts/rollout_sim.py reads them
+    timings: tuple[RequestTiming, ...] = ()
 
     @property
     def throughput_rps(self) -> float:
@@ -291,6 +303,15 @@ def simulate(
     ttft = [first[i] - arrival[i] for i in done]
     latency = [done[i] - arrival[i] for i in done]
     tpot = [(done[i] - first[i]) / (target[i] - 1) for i in done if target[i] > 1]
+    timings = tuple(
+        RequestTiming(
+            arrival[i],
+            first[i] - arrival[i] if i in done else math.nan,
+            done[i] - arrival[i] if i in done else math.nan,
+            (done[i] - first[i]) / (target[i] - 1) if i in done and target[i] > 1 else math.nan,
+        )
+        for i in range(len(jobs))
+    )
     return PlanResult(
         policy=policy,
         completed=len(done),
@@ -306,4 +327,5 @@ def simulate(
         normalized_latency_p50_s=statistics.median((done[i] - arrival[i]) / target[i] for i in done)
         if done
         else math.nan,
+        timings=timings,
     )
