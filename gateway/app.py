@@ -41,6 +41,7 @@ from gateway.http.routes import router
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficRecorder
 from gateway.rollout.controller import RolloutController, RolloutMetrics
+from gateway.rollout.spec import build_spec, unsampled_notes
 from gateway.rollout.store import open_store
 from gateway.settings.load import Settings
 from gateway.settings.principals import Principal
@@ -121,21 +122,34 @@ def _budgets(keys: list[tuple[str, Principal]]) -> list[tuple[str, int]]:
 def rollouts(
     settings: Settings, served: Deployments, metrics: GatewayMetrics
 ) -> dict[str, RolloutController]:
-    """The `rollout:` of the settings, driving the deployment of the same served name."""
-    if settings.rollout is None:
+    """The `rollout:` of the settings, driving the deployment of the same served name: the
+    split randomises what `assignment` says, the candidate's slice last (users move one way)."""
+    rollout = settings.rollout
+    if rollout is None:
         return {}
     deployment = served.get(settings.model_name)
     names = {a.name for a in deployment.primaries}
-    for name in (settings.rollout.baseline, settings.rollout.candidate):
-        if name not in names:
+    for name in (rollout.baseline, rollout.candidate, rollout.control):
+        if name is not None and name not in names:
             raise ValueError(f"the rollout's arm `{name}` is not an arm of `{deployment.name}`")
+    deployment.assignment = rollout.assignment
+    deployment.arms.sort(key=lambda a: a.name == rollout.candidate)
+    specs = {a.name: a for a in settings.arms or []}
+    engines = {name: spec.engines for name, spec in specs.items()}
     store = open_store(settings.rollout_store, deployment.name)
+    compared = (rollout.candidate, rollout.reference)
+    upstream = [n for n in compared if n in specs and specs[n].is_upstream]
+    notes = unsampled_notes(build_spec(rollout), upstream)
+    for note in notes:
+        log.warning("rollout_unsampled", model=deployment.name, note=note)
     controller = RolloutController(
         deployment.name,
-        settings.rollout,
+        rollout,
         list(deployment.primaries),
         store,
         RolloutMetrics(metrics.registry),
+        engines=engines,
+        notes=notes,
     )
     return {deployment.name: controller}
 

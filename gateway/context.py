@@ -33,6 +33,9 @@ class RequestContext:
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
     arm: str | None = None
+    #: the arm the split drew for this request (None: pinned or continued, not drawn); it
+    #: differs from `arm` when the drawn arm could not serve and another did
+    arm_drawn: str | None = None
     scheduler: str | None = None
     prompt_tokens: int = 0
     #: of the prompt tokens, those the prefix cache served (first choice of each prompt)
@@ -57,6 +60,8 @@ class RequestContext:
     priority: int | None = None
     #: who sent it: the principal its API key resolves to (never the key itself)
     principal: str = "anonymous"
+    #: the request's `user` field (the split's unit under `assignment: user`)
+    user: str | None = None
     #: called once when the arm has accepted the request (shadow arms get their copy then)
     on_accepted: Callable[[], None] | None = None
     #: the path the traffic record's lines name

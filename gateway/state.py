@@ -71,11 +71,21 @@ class GatewayState:
         return RequestServices(self.metrics, self.recorder, self.response_store, on_finished)
 
     def observe_rollout(self, ctx: RequestContext, status: int, total_s: float) -> None:
-        """A finished request of a rollout's arm is one more sample of its tests."""
+        """A finished request of a rollout's arm is one more sample of its tests: of the arm
+        the split drew for it. Drawn to an arm that could not serve it, it is that arm's
+        error (whoever served it); pinned or continued, it is counted apart."""
         rollout = self.rollouts.get(ctx.model)
-        if rollout is not None and ctx.arm is not None:
+        if rollout is None or ctx.arm is None:
+            return
+        unit = ctx.user
+        if ctx.arm_drawn is None:
             sample = request_sample(status, ctx.ttft_s, total_s, ctx.completion_tokens)
-            rollout.observe(ctx.arm, sample)
+            rollout.observe(ctx.arm, sample, unit, randomised=False)
+        elif ctx.arm_drawn != ctx.arm:
+            rollout.observe(ctx.arm_drawn, {"error": 1.0}, unit)
+        else:
+            sample = request_sample(status, ctx.ttft_s, total_s, ctx.completion_tokens)
+            rollout.observe(ctx.arm, sample, unit)
 
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():

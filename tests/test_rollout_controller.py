@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
@@ -20,6 +21,7 @@ from gateway.arms.choice import choose_by_weight, user_point
 from gateway.arms.deployment import Deployment
 from gateway.cli import main as cli_main
 from gateway.rollout.controller import RolloutController, RolloutMetrics
+from gateway.rollout.decision import decide
 from gateway.rollout.store import (
     FileRolloutStore,
     MemoryRolloutStore,
@@ -209,6 +211,10 @@ def upstream_arms() -> list[dict[str, object]]:
     return [{"name": n, "upstream": upstream} for n in ("orca", "sjf")]
 
 
+#: the two-engine topology: the tests compare equal loads only at 50%
+HALVES = ROLLOUT.model_copy(update={"steps": [50, 100]})
+
+
 def test_an_admin_principal_from_the_key_file_steers_the_rollout_and_no_one_else(
     tmp_path: Path,
 ) -> None:
@@ -220,7 +226,7 @@ def test_an_admin_principal_from_the_key_file_steers_the_rollout_and_no_one_else
         backend="sim",
         served_model_name="m",
         arms=upstream_arms(),  # type: ignore[arg-type]
-        rollout=ROLLOUT.model_dump(),  # type: ignore[arg-type]
+        rollout=HALVES.model_dump(),  # type: ignore[arg-type]
         api_key_file=str(key_file),
     )
     deployment = Deployment("m", [sim_arm(scheduler="orca"), sim_arm(scheduler="sjf")])
@@ -239,7 +245,7 @@ def test_admin_routes_show_and_steer_the_rollout_behind_an_admin_key(
         backend="sim",
         served_model_name="m",
         arms=upstream_arms(),  # type: ignore[arg-type]
-        rollout=ROLLOUT.model_dump(),  # type: ignore[arg-type]
+        rollout=HALVES.model_dump(),  # type: ignore[arg-type]
         api_keys=["user-key", "admin-key"],
         admin_api_keys=["admin-key"],
     )
@@ -255,8 +261,10 @@ def test_admin_routes_show_and_steer_the_rollout_behind_an_admin_key(
             reply = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers)
             assert reply.status_code == 200
         status = httpx.get(f"{url}/admin/rollout", headers=admin).json()
-        assert status["status"] == "running" and status["candidate_share"] == 5
-        assert status["n"] == {"baseline": 1, "candidate": 1}
+        assert status["status"] == "running" and status["candidate_share"] == 50
+        # pinned requests are served and counted apart, never evidence
+        assert status["n"] == {"reference": 0, "candidate": 0}
+        assert status["not_randomised"] == {"orca": 1, "sjf": 1}
         assert cli_main(["rollout", "pause", "--url", url, "--api-key", "admin-key"]) == 0
         out = capsys.readouterr().out  # the server's log lines too: the CLI's JSON is last
         assert json.loads(out[out.rindex('{\n  "model"') :])["status"] == "paused"
@@ -267,3 +275,130 @@ def test_admin_routes_show_and_steer_the_rollout_behind_an_admin_key(
         assert again.status_code == 400 and again.json()["error"]["param"] == "action"
         metrics = httpx.get(f"{url}/metrics").text
         assert 'carousel_rollout_arm_weight{arm="sjf",model="m"} 0.0' in metrics
+
+
+def test_a_rollout_comparing_unequal_loads_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValidationError, match=r"unequal loads.*5% \(19x\).*control:.*\[50, 100\]"):
+        Settings(backend="sim", arms=upstream_arms(), rollout=ROLLOUT.model_dump())  # type: ignore[arg-type]
+    Settings(backend="sim", arms=upstream_arms(), rollout=HALVES.model_dump())  # type: ignore[arg-type]
+
+
+def test_a_control_arm_carries_the_candidates_share() -> None:
+    upstream = {"base_urls": ["http://127.0.0.1:9/v1"], "model": "x"}
+    two = {"base_urls": ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"], "model": "x"}
+    arms = [
+        {"name": "orca", "upstream": upstream},
+        {"name": "orca-control", "upstream": upstream},
+        {"name": "sjf", "upstream": upstream},
+    ]
+    rollout = ROLLOUT.model_copy(update={"control": "orca-control"}).model_dump()
+    settings = Settings(backend="sim", arms=arms, rollout=rollout)  # type: ignore[arg-type]
+    topology = settings.rollout_topology()
+    assert topology.weights(5) == {"orca": 90, "orca-control": 5, "sjf": 5}
+    assert topology.weights(50) == {"orca": 0, "orca-control": 50, "sjf": 50}
+    assert topology.weights(100) == {"orca": 0, "orca-control": 0, "sjf": 100}
+    over = ROLLOUT.model_copy(update={"control": "orca-control", "steps": [5, 70, 100]})
+    with pytest.raises(ValidationError, match=r"step\(s\) 70%.*at most 50%"):
+        Settings(backend="sim", arms=arms, rollout=over.model_dump())  # type: ignore[arg-type]
+    arms[2] = {"name": "sjf", "upstream": two}
+    with pytest.raises(ValidationError, match=r"2 engine\(s\).*`orca-control` 1"):
+        Settings(backend="sim", arms=arms, rollout=rollout)  # type: ignore[arg-type]
+
+
+def test_resume_carries_the_held_steps_guardrail_evidence() -> None:
+    rollout, _ = controller()
+    for _ in range(30):  # a candidate that fails: guardrail evidence, short of a rollback
+        rollout.observe("orca", {"ttft_ms": 100.0, "e2e_ms": 200.0, "error": 0.0})
+        rollout.observe("sjf", {"error": 1.0})
+        if rollout.store.tally(0).log_e("guardrail_error_rate") > 1.0:
+            break
+    rollout.command("pause")
+    held = rollout.store.tally(0).log_e("guardrail_error_rate")
+    assert 0 < held < rollout.spec.log_threshold("guardrail")
+    rollout.command("resume")
+    assert rollout.state.epoch == 1
+    assert rollout.state.carried["guardrail_error_rate"] == pytest.approx(held)
+    assert rollout.status()["carried"]["guardrail_error_rate"] == pytest.approx(np.exp(held), 1e-3)
+
+
+def test_an_abort_is_never_overwritten_by_another_replicas_decision(redis_url: str) -> None:
+    """Two writers on real Redis: the decider read the state before an operator's abort on
+    another replica and then decides to advance: its save is refused, and it adopts the abort."""
+    prefix = f"test-rollout-cas-{uuid.uuid4().hex}"
+    decider, arms = controller(RedisRolloutStore(redis_url, prefix), sync_every=10**9)
+    operator, _ = controller(RedisRolloutStore(redis_url, prefix), sync_every=10**9)
+    rng = np.random.default_rng(3)
+    for _ in range(4000):  # a faster candidate, synced only when asked
+        arm = "sjf" if rng.random() < 0.5 else "orca"
+        ttft = float(rng.lognormal(np.log(200), 0.5)) * (0.5 if arm == "sjf" else 1.0)
+        decider.observe(arm, {"ttft_ms": ttft, "tpot_ms": 20.0, "e2e_ms": ttft, "error": 0.0})
+    decider._flush()
+    tally = decider.state.tally = decider.store.tally(0)
+    log_e = {t.name: tally.log_e(t.name) for t in decider.spec.tests}
+    would = decide(
+        decider.spec, tally.requests["reference"], tally.requests["candidate"], log_e, 1.0
+    )
+    assert would is not None and would.kind == "advance"
+    operator.command("abort")  # meanwhile, on the other replica
+    assert decider.look() is None  # the advance lost the race
+    assert decider.state.status == "aborted" and weights(arms)["sjf"] == 0
+    stored = RedisRolloutStore(redis_url, prefix).load()
+    assert stored is not None and stored["status"] == "aborted"
+    assert [d["kind"] for d in stored["decisions"]] == ["abort"]
+
+
+def test_a_write_with_a_stale_version_is_refused_by_every_store(
+    tmp_path: Path, redis_url: str
+) -> None:
+    prefix = f"test-rollout-cas-{uuid.uuid4().hex}"
+    stores: list[RolloutStore] = [
+        MemoryRolloutStore(),
+        FileRolloutStore(tmp_path / "state.json"),
+        RedisRolloutStore(redis_url, prefix),
+    ]
+    for store in stores:
+        assert store.save({"status": "running"}, 0)
+        assert not store.save({"status": "promoted"}, 0)  # someone wrote version 1 meanwhile
+        assert store.save({"status": "aborted"}, 1)
+        assert store.load() == {"status": "aborted", "version": 2}
+
+
+def test_a_candidate_that_stops_answering_is_rolled_back_without_waiting_for_a_test() -> None:
+    rollout, arms = controller(sync_every=10**9)  # no test ever looked at
+    for _ in range(9):
+        rollout.observe("orca", {"ttft_ms": 100.0, "e2e_ms": 200.0, "error": 0.0})
+        assert rollout.observe("sjf", {"error": 1.0}) is None
+    rollout.observe("orca", {"ttft_ms": 100.0, "e2e_ms": 200.0, "error": 0.0})
+    decision = rollout.observe("sjf", {"error": 1.0})
+    assert decision is not None and decision.reason == "candidate_failing"
+    assert rollout.state.status == "rolled_back" and weights(arms)["sjf"] == 0
+
+
+def test_failures_everywhere_are_not_the_candidates_alone() -> None:
+    rollout, _ = controller(sync_every=10**9)
+    for _ in range(50):
+        rollout.observe("orca", {"error": 1.0})
+        assert rollout.observe("sjf", {"error": 1.0}) is None
+    assert rollout.state.status == "running"
+
+
+@pytest.mark.parametrize("path", ["examples/rollout.yaml", "deploy/gateway-rollout.yaml"])
+def test_the_documented_rollouts_compare_equal_loads(path: str) -> None:
+    root = Path(__file__).resolve().parent.parent
+    settings = Settings.load(config_file=root / path)
+    assert settings.rollout is not None and settings.rollout.control is not None
+    topology = settings.rollout_topology()
+    weights = topology.weights(settings.rollout.steps[0])
+    assert weights[settings.rollout.control] == weights[settings.rollout.candidate] == 5
+
+
+def test_the_compose_rollout_overlay_adds_a_control_engine_like_the_baselines() -> None:
+    root = Path(__file__).resolve().parent.parent
+    overlay = yaml.safe_load((root / "compose.rollout.yaml").read_text())["services"]
+    assert overlay["engine-orca-control"]["extends"] == {
+        "file": "compose.yaml",
+        "service": "engine-orca",
+    }
+    assert "engine-orca-control" in overlay["gateway"]["depends_on"]
+    [mount] = overlay["gateway"]["volumes"]
+    assert mount.startswith("./deploy/gateway-rollout.yaml:/etc/carousel/gateway.yaml")

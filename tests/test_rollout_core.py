@@ -7,7 +7,13 @@ import pytest
 
 from gateway.rollout.betting import MeanTest, log_e_value
 from gateway.rollout.decision import decide
-from gateway.rollout.evidence import StepObserver, TailReference, Tally, tail_thresholds
+from gateway.rollout.evidence import (
+    StepObserver,
+    TailReference,
+    Tally,
+    request_sample,
+    tail_thresholds,
+)
 from gateway.rollout.spec import build_spec
 from gateway.settings.rollout import RolloutSettings
 
@@ -61,7 +67,7 @@ def test_tallies_add_in_any_order_and_survive_json() -> None:
     assert one.n == other.n == {"target": 5}
     assert one.log_e("target") == pytest.approx(other.log_e("target"))
     assert one.log_e("target") == pytest.approx(whole.log_e("target"))
-    assert one.requests == {"baseline": 0, "candidate": 2}
+    assert one.requests == {"reference": 0, "candidate": 2}
 
 
 def test_the_running_tail_reference_matches_its_vectorised_rule() -> None:
@@ -88,10 +94,10 @@ def test_a_slower_candidate_grows_the_tpot_guardrail_and_not_the_target() -> Non
     tally = Tally()
     for _ in range(300):
         base = float(rng.lognormal(3, 0.3))
-        tally.merge(observer.observe("baseline", {"ttft_ms": 100.0, "tpot_ms": base}))
+        tally.merge(observer.observe("reference", {"ttft_ms": 100.0, "tpot_ms": base}))
         cand = {"ttft_ms": 100.0, "tpot_ms": base * 1.5, "error": 0.0}
         tally.merge(observer.observe("candidate", cand))
-    assert tally.requests == {"baseline": 300, "candidate": 300}
+    assert tally.requests == {"reference": 300, "candidate": 300}
     assert tally.log_e("guardrail_tpot_p50") > spec.log_threshold("guardrail")
     assert tally.log_e("target") < spec.log_threshold("target")
 
@@ -101,7 +107,7 @@ def test_failed_requests_count_for_the_error_guardrail_only() -> None:
     observer = StepObserver(spec)
     tally = Tally()
     for _ in range(200):
-        tally.merge(observer.observe("baseline", {"ttft_ms": 100.0, "error": 0.0}))
+        tally.merge(observer.observe("reference", {"ttft_ms": 100.0, "error": 0.0}))
         tally.merge(observer.observe("candidate", {"error": 1.0}))
     assert tally.n["guardrail_error_rate"] == 200
     assert "target" not in tally.n
@@ -153,3 +159,52 @@ def test_settings_refuse_what_no_rollout_can_run() -> None:
         RolloutSettings(baseline="a", candidate="b", guardrails={"latency": 0.1})
     with pytest.raises(ValueError, match="different arms"):
         RolloutSettings(baseline="a", candidate="a")
+
+
+def test_arm_refusals_and_failures_are_errors_and_client_mistakes_count_for_nothing() -> None:
+    for status in (429, 500, 502, 503, 504):
+        assert request_sample(status, None, 1.0, 0) == {"error": 1.0}
+    for status in (400, 401, 403, 404, 413, 422, 499):
+        assert request_sample(status, None, 1.0, 0) == {}
+    assert request_sample(200, 0.1, 1.1, 11) == pytest.approx(
+        {"error": 0.0, "e2e_ms": 1100.0, "ttft_ms": 100.0, "tpot_ms": 100.0}
+    )
+
+
+def test_a_user_is_one_sample_per_step_however_many_requests_it_sends() -> None:
+    settings = SETTINGS.model_copy(update={"requests_per_user": 3})
+    observer = StepObserver(build_spec(settings))
+    tally = Tally()
+    for i in range(10):  # one heavy user: its first three requests are its one sample
+        tally.merge(observer.observe("candidate", {"ttft_ms": 100.0 * (i + 1), "error": 0.0}, "u"))
+    tally.merge(observer.observe("reference", {"ttft_ms": 150.0, "error": 0.0}, "v"))
+    tally.merge(observer.observe("reference", {"ttft_ms": 150.0, "error": 0.0}, "w"))
+    assert tally.requests == {"reference": 2, "candidate": 10}
+    assert tally.units == {"reference": 0, "candidate": 1}
+    for user in ("v", "w"):
+        tally.merge(observer.observe("reference", {"ttft_ms": 150.0, "error": 0.0}, user))
+        tally.merge(observer.observe("reference", {"ttft_ms": 150.0, "error": 0.0}, user))
+    assert tally.units == {"reference": 2, "candidate": 1}
+    # one pair: the user's geometric mean (100 * 6^(1/3) = 182 ms) against 150 ms: worse
+    assert tally.n["target"] == 1
+    assert tally.log_e("target") < 0
+
+
+def test_a_candidate_worse_on_the_target_itself_is_rolled_back() -> None:
+    settings = SETTINGS.model_copy(update={"guardrails": {"error_rate": 0.005}})
+    spec = build_spec(settings)
+    assert [t.name for t in spec.of_role("guardrail")] == [
+        "guardrail_error_rate",
+        "regression_ttft_p50",
+    ]
+    observer = StepObserver(spec)
+    rng = np.random.default_rng(5)
+    tally = Tally()
+    for _ in range(400):
+        base = float(rng.lognormal(5, 0.5))
+        tally.merge(observer.observe("reference", {"ttft_ms": base, "error": 0.0}))
+        tally.merge(observer.observe("candidate", {"ttft_ms": base * 2, "error": 0.0}))
+    log_e = {t.name: tally.log_e(t.name) for t in spec.tests}
+    decision = decide(spec, 400, 400, log_e, 1.0)
+    assert decision is not None and decision.kind == "rollback"
+    assert decision.reason == "regression_ttft_p50"

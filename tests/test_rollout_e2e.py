@@ -13,19 +13,30 @@ baseline has 500 samples in the step, gateway/rollout/evidence.py), and a small
 its requests stream, and an upstream arm learns a request's TTFT only from a streamed reply, so
 unstreamed traffic would give the TTFT tests no samples at all. The bench is stopped (SIGINT,
 its clean stop) once the rollout is final.
+
+The default steps (5, 25, 50, 100) run in the documented topology (docs/rollout.md: a control
+engine of the baseline's config beside the candidate's), in one process for speed: a faster
+candidate is promoted through every step, a candidate that stops answering is rolled back at
+the first.
 """
 
 from __future__ import annotations
 
+import random
 import subprocess
+import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.serve_process import carousel_process, carousel_serve, carousel_serves, stop
+from gateway.app import create_app
+from gateway.settings.load import Settings
+from tests.conftest import SIM_MODEL, serve_app, sim_arm, start_server
+from tests.serve_process import carousel_process, carousel_serve, carousel_serves, free_port, stop
 
 #: the baseline's and the 3x slower arm's `--sim-time-scale`
 FAST, SLOW = 5.0, 15.0
@@ -45,10 +56,10 @@ arms:
   - name: baseline
     upstream: {{base_urls: ["{baseline}/v1"], model: sim}}
   - name: candidate
-    upstream: {{base_urls: ["{candidate}/v1"], model: sim}}
+    upstream: {{base_urls: ["{candidate}/v1"], model: sim}}{control_arm}
 rollout:
   baseline: baseline
-  candidate: candidate
+  candidate: candidate{control}
   steps: {steps}
   metric: ttft_p50
   guardrails: {{error_rate: 0.05, ttft_p50: 0.10}}
@@ -58,10 +69,27 @@ rollout:
 
 
 def rollout_yaml(
-    baseline: str, candidate: str, model: str = "sim", steps: str = "[50, 100]"
+    baseline: str,
+    candidate: str,
+    model: str = "sim",
+    steps: str = "[50, 100]",
+    control: str | None = None,
 ) -> str:
-    """A gateway config rolling out from the upstream `baseline` to `candidate` (sim servers)."""
-    return ROLLOUT_YAML.format(baseline=baseline, candidate=candidate, model=model, steps=steps)
+    """A gateway config rolling out from the upstream `baseline` to `candidate` (sim servers),
+    compared with `control` (a server like the baseline's) when given."""
+    control_arm = (
+        f'\n  - name: control\n    upstream: {{base_urls: ["{control}/v1"], model: sim}}'
+        if control
+        else ""
+    )
+    return ROLLOUT_YAML.format(
+        baseline=baseline,
+        candidate=candidate,
+        model=model,
+        steps=steps,
+        control_arm=control_arm,
+        control="\n  control: control" if control else "",
+    )
 
 
 def rollout_status(url: str) -> dict[str, Any]:
@@ -136,3 +164,104 @@ def test_faster_candidate_is_promoted(tmp_path: Path) -> None:
     assert kinds == ["advance"], status["decisions"]
     assert status["decisions"][0]["reason"] == "target"
     assert status["candidate_share"] == 100
+
+
+def _stream_chat(client: httpx.Client, user: str | None) -> int:
+    """One streamed chat request through the gateway; its status."""
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    if user is not None:
+        body["user"] = user
+    with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        for _ in reply.iter_bytes():
+            pass
+        return reply.status_code
+
+
+def _drive_in_process(url: str, users: int | None, deadline_s: float) -> dict[str, Any]:
+    """Eight clients in a closed loop (each request from one of `users` users, or none)
+    until the rollout is final or the deadline passes; the last status."""
+    end = time.monotonic() + deadline_s
+    done = threading.Event()
+
+    def client_loop(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not done.is_set() and time.monotonic() < end:
+                user = None if users is None else f"user-{rng.randrange(users)}"
+                _stream_chat(client, user)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        while time.monotonic() < end:
+            status = rollout_status(url)
+            if status["status"] in ("rolled_back", "promoted"):
+                return status
+            time.sleep(0.2)
+        return rollout_status(url)
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+
+
+def _control_rollout(
+    urls: dict[str, str], assignment: str, users: int | None, deadline_s: float = 90.0
+) -> dict[str, Any]:
+    """The documented topology in one process: baseline, control and candidate engines as
+    upstream arms, the default steps; the final status."""
+    settings = Settings(
+        backend="sim",
+        served_model_name="m",
+        arms=[  # type: ignore[list-item]
+            {"name": name, "upstream": {"base_urls": [url], "model": SIM_MODEL, "retries": 0}}
+            for name, url in urls.items()
+        ],
+        rollout={  # type: ignore[arg-type]
+            "baseline": "baseline",
+            "control": "control",
+            "candidate": "candidate",
+            "assignment": assignment,
+            "metric": "ttft_p50",
+            "guardrails": {"error_rate": 0.05, "ttft_p50": 0.10},
+            "min_requests": 20,
+        },
+    )
+    with ExitStack() as stack:
+        url = stack.enter_context(serve_app(create_app(settings)))
+        return _drive_in_process(url, users, deadline_s)
+
+
+def test_a_faster_candidate_is_promoted_through_the_default_steps_against_its_control() -> None:
+    """Paced sim engines (their step time grows with the batch, so latency with load): the
+    candidate's engine runs 3x faster than the baseline's and the control's, each compared
+    at the candidate's share; per-request assignment."""
+    with ExitStack() as stack:
+        slow = {n: start_server(stack, sim_arm(time_scale=3.0)).v1 for n in ("baseline", "control")}
+        fast = start_server(stack, sim_arm(time_scale=1.0)).v1
+        status = _control_rollout({**slow, "candidate": fast}, "request", None)
+    assert status["status"] == "promoted", status
+    assert [d["kind"] for d in status["decisions"]] == ["advance"] * 3, status["decisions"]
+    assert [d["share"] for d in status["decisions"]] == [5, 25, 50]
+    assert status["compared"] == ["candidate", "control"] and status["unit"] == "request"
+    print(f"promoted after {[d['n'] for d in status['decisions']]}")
+
+
+def test_a_candidate_that_stops_answering_is_rolled_back_at_the_first_step() -> None:
+    """The candidate's URL has nothing behind it: every request the split draws for it fails
+    (and is served by another arm), and it is rolled back at 5%, with users as the unit."""
+    with ExitStack() as stack:
+        live = {n: start_server(stack, sim_arm(time_scale=1.0)).v1 for n in ("baseline", "control")}
+        dead = f"http://127.0.0.1:{free_port()}/v1"
+        status = _control_rollout({**live, "candidate": dead}, "user", 400, deadline_s=60.0)
+    assert status["status"] == "rolled_back", status
+    decision = status["decisions"][-1]
+    assert decision["kind"] == "rollback" and decision["step"] == 0
+    assert decision["reason"] in ("candidate_failing", "guardrail_error_rate")
+    print(f"rolled back by {decision['reason']} after {decision['n']}")

@@ -53,10 +53,12 @@ def test_killing_the_deciding_replica_leaves_the_other_to_finish(
     tmp_path: Path, redis_url: str
 ) -> None:
     arms = [(sim_args(SLOW), "baseline"), (sim_args(FAST), "candidate")]
+    arms.append((sim_args(SLOW), "control"))
     deadline = time.monotonic() + DEADLINE_S
-    with carousel_serves(arms, tmp_path) as (baseline, candidate):
+    with carousel_serves(arms, tmp_path) as (baseline, candidate, control):
         config = tmp_path / "rollout.yaml"
-        config.write_text(rollout_yaml(baseline, candidate, "replicated", "[50, 75, 100]"))
+        steps = "[25, 50, 100]"  # two advances, each step's tests at equal load
+        config.write_text(rollout_yaml(baseline, candidate, "replicated", steps, control))
         gateway = ["--config", str(config), "--rollout-store", redis_url]
         runs = [(gateway, "gateway-a"), (gateway, "gateway-b")]
         with serve_processes(runs, tmp_path) as replicas, ExitStack() as loads:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gateway.api.endpoint import Endpoint, Reply
 from gateway.api.errors import PERMISSION, APIError, invalid, model_not_found, shown, unavailable
@@ -34,6 +34,8 @@ class Deployment:
     name: str
     arms: list[Arm]
     created: int = field(default_factory=lambda: int(time.time()))
+    #: what the split randomises: each `user` (sticky) or each request (a rollout's setting)
+    assignment: Literal["user", "request"] = "user"
     mirrors: list[ShadowMirror] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,15 +68,25 @@ class Deployment:
             arm = self.arm(requested, principal if pinned is not None else None)
             self._check_available(arm, retry_after_s)
         else:
-            ready = [a for a in self.primaries if a.unavailable_reason is None]
-            chosen = choose_by_weight(ready, draw_point(user))
-            if chosen is None:  # nothing ready: report why the first weighted arm is not
-                weighted = [a for a in self.primaries if a.weight > 0] or self.primaries
-                self._check_available(weighted[0], retry_after_s)
-                raise unavailable(f"No arm of `{self.name}` can serve now", retry_after_s)
-            arm = chosen
+            arm = self._draw(ctx, retry_after_s, user)
         ctx.arm = arm.name
         return arm
+
+    def _draw(self, ctx: RequestContext, retry_after_s: int, user: str | None) -> Arm:
+        """The split's draw over every weighted arm (`ctx.arm_drawn`), served by it when it can
+        serve, else by a draw with the same point among the arms that can."""
+        point = draw_point(user if self.assignment == "user" else None)
+        drawn = choose_by_weight(self.primaries, point)
+        ctx.arm_drawn = None if drawn is None else drawn.name
+        if drawn is not None and drawn.unavailable_reason is None:
+            return drawn
+        ready = [a for a in self.primaries if a.unavailable_reason is None]
+        chosen = choose_by_weight(ready, point)
+        if chosen is None:  # nothing ready: report why the first weighted arm is not
+            weighted = [a for a in self.primaries if a.weight > 0] or self.primaries
+            self._check_available(weighted[0], retry_after_s)
+            raise unavailable(f"No arm of `{self.name}` can serve now", retry_after_s)
+        return chosen
 
     def arm(self, name: str, pinned_by: Principal | None = None) -> Arm:
         """The arm called `name` (400 naming the header when there is none); with

@@ -85,6 +85,7 @@ async def _serve(request: Request, endpoint: Endpoint) -> Response:
         parsed = parse(endpoint.request_model, body)
         # NOTE: cut: the access log line, metrics and errors show it (a 1 MB model, logged)
         ctx.model, ctx.stream, ctx.raw_body = shown(parsed.model), bool(parsed.stream), body
+        ctx.user = parsed.user
         bound_request(ctx, parsed, principal, request.headers.get(DEADLINE_HEADER))
         deployment = state.deployments.get(parsed.model)
         continued = await _owner_arm(state, deployment, parsed, principal.name)

@@ -1,27 +1,37 @@
 """The live rollout: samples in, decisions out, arm weights set by the current step.
 
-One `RolloutController` per deployment with a `rollout:` block. Each finished request of the
-baseline or candidate arm becomes a sample (TTFT, TPOT, e2e, error); its tally increment
-(gateway/rollout/evidence.py) is added to the step's tally, and the decision rule
-(gateway/rollout/decision.py) is looked at after every request.
+One `RolloutController` per deployment with a `rollout:` block. Each finished request that the
+split sent to the candidate or to its reference (the control arm, else the baseline) becomes
+a sample (TTFT, TPOT, e2e, error); its tally increment (gateway/rollout/evidence.py) is added
+to the step's tally, and the decision rule (gateway/rollout/decision.py) is looked at after
+every request. Only randomised traffic is evidence: a request pinned to an arm
+(`X-Carousel-Arm`) or continuing a conversation on its arm (`previous_response_id`) is served
+as always and counted apart. A request the split sent to an arm that could not take it (dead,
+or not ready) is served by another and counts as an error of the arm it was sent to.
 
-Users stay put: only the two arms carry weight during the rollout (baseline 100 - share,
-candidate share), and an arm is chosen by a user's fixed point in [0, 1) over the cumulative
-weights (gateway/arms/choice.py), so as the candidate's share grows its slice only grows: a
-user moves from baseline to candidate once, and back only on a rollback.
+Users stay put: only the rollout's arms carry weight (gateway/settings/rollout_topology.py:
+candidate `share`, the control as much, the baseline the rest), and with
+`assignment: user` an arm is chosen by a user's fixed point in [0, 1) over the cumulative
+weights (gateway/arms/choice.py), the candidate's slice last (gateway/app.py orders the arms
+so), so as the candidate's share grows its slice only grows: a user moves to the candidate
+once, and back only on a rollback.
 
 Replicas and restarts (gateway/rollout/store.py): every `sync_every` samples a replica adds
 its pending tally increment to the store's tally of the current epoch (a step, or a resumed
 one), adopts the shared state if another replica or an operator changed it, and, if it holds
-the lease, looks at the shared tally and acts; a decision is saved whole with a new epoch. A
-restarted gateway reads the state back and resumes where it stood.
+the lease, looks at the shared tally and acts; a decision is saved whole with a new epoch, as a
+compare-and-set on the state's version (a writer that lost the race adopts the winner's state
+and its decision is dropped). A restarted gateway reads the state back and resumes where it
+stood.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
@@ -30,10 +40,11 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.rollout.decision import Decision, decide
-from gateway.rollout.evidence import Sample, StepObserver, Tally
+from gateway.rollout.evidence import Role, Sample, StepObserver, Tally
 from gateway.rollout.spec import RolloutSpec, build_spec
 from gateway.rollout.store import RolloutStore
 from gateway.settings.rollout import RolloutSettings
+from gateway.settings.rollout_topology import RolloutTopology
 
 log = structlog.get_logger("carousel.rollout")
 
@@ -63,8 +74,10 @@ class RolloutState:
     step_started: float = field(default_factory=time.time)
     #: which tally in the store counts now (a new one at each advance or resume)
     epoch: int = 0
+    #: bumped by every save (the store's compare-and-set); 0: never saved
     carried: dict[str, float] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    version: int = 0
     #: the epoch's shared tally as last read (not saved: the store keeps it)
     tally: Tally = field(default_factory=Tally)
 
@@ -76,6 +89,7 @@ class RolloutState:
             "epoch": self.epoch,
             "carried": self.carried,
             "decisions": self.decisions,
+            "version": self.version,
         }
 
     @classmethod
@@ -87,7 +101,11 @@ class RolloutState:
             data["epoch"],
             dict(data["carried"]),
             list(data["decisions"]),
+            int(data.get("version", 0)),
         )
+
+    def copy(self) -> RolloutState:
+        return RolloutState.from_json(json.loads(json.dumps(self.to_json())))
 
 
 class RolloutMetrics:
@@ -127,15 +145,20 @@ class RolloutController:
         clock: Callable[[], float] = time.time,
         sync_every: int = SYNC_EVERY,
         lease_s: float = LEASE_S,
+        engines: dict[str, int] | None = None,
+        notes: list[str] | None = None,
     ) -> None:
         self.model = model
         self.spec: RolloutSpec = build_spec(settings)
+        self.topology = _topology(settings, engines or {})
         self.arms = arms
         self.store = store
         self.metrics = metrics
         self.clock = clock
         self.sync_every = sync_every
         self.lease_s = lease_s
+        #: what the operator should know from the start (tests that some traffic cannot feed)
+        self.notes = list(notes or [])
         self.owner = uuid.uuid4().hex
         saved = store.load()
         self.state = RolloutState.from_json(saved) if saved else RolloutState(step_started=clock())
@@ -144,6 +167,11 @@ class RolloutController:
         self.observer = StepObserver(self.spec)
         self.pending = Tally()
         self._unsynced = 0
+        #: the last requests on this replica of the candidate and of the other rollout arms:
+        #: failed or not (the failing-arm rule)
+        self._recent: dict[str, deque[bool]] = {
+            side: deque(maxlen=FAILING_AFTER) for side in ("candidate", "others")
+        }
         if metrics is not None:
             metrics.start(model)
         self.apply_weights()
@@ -161,9 +189,19 @@ class RolloutController:
             return 100.0
         return self.settings.steps[self.state.step]
 
+    def weights(self) -> dict[str, float]:
+        """Each rollout arm's share of traffic now (rollback and abort: all to the baseline)."""
+        if self.state.status in ("rolled_back", "aborted"):
+            return {name: 100.0 * (name == self.settings.baseline) for name in self._arm_names()}
+        return self.topology.weights(self.share)
+
+    def _arm_names(self) -> list[str]:
+        s = self.settings
+        return [s.baseline, s.candidate] + ([s.control] if s.control else [])
+
     def apply_weights(self) -> None:
-        """Only the two arms carry weight: baseline 100 - share, candidate share."""
-        weights = {self.settings.baseline: 100 - self.share, self.settings.candidate: self.share}
+        """Only the rollout's arms carry weight (see `weights`), the candidate's slice first."""
+        weights = self.weights()
         for arm in self.arms:
             arm.weight = weights.get(arm.name, 0.0)
             if self.metrics is not None and arm.name in weights:
@@ -171,20 +209,62 @@ class RolloutController:
         if self.metrics is not None:
             self.metrics.step.labels(self.model).set(self.state.step)
 
-    def observe(self, arm: str, sample: Sample) -> Decision | None:
-        """Count one finished request of `arm`; the decision it led to, if any."""
-        role = {self.settings.baseline: "baseline", self.settings.candidate: "candidate"}.get(arm)
-        if role is None or not sample or self.state.status not in ("running", "held"):
+    def role(self, arm: str) -> Role | None:
+        """The arm's part in the tests: "candidate", "reference" (control, else baseline)."""
+        if arm == self.settings.candidate:
+            return "candidate"
+        return "reference" if arm == self.topology.reference else None
+
+    def observe(
+        self, arm: str, sample: Sample, unit: str | None = None, randomised: bool = True
+    ) -> Decision | None:
+        """Count one finished request of `arm` (`unit`: the user it counts for, None: its own
+        unit; not `randomised`: pinned or continued, counted apart); the decision it led to."""
+        role = self.role(arm)
+        if not sample or self.state.status not in ("running", "held"):
             return None
-        self.pending.merge(self.observer.observe(role, sample))
+        failed = sample.get("error", 0.0) > 0
+        if randomised and arm != self.settings.candidate and arm in self._arm_names():
+            self._recent["others"].append(failed)
+        if role is None:
+            return None
+        if not randomised:
+            self.pending.apart[arm] = self.pending.apart.get(arm, 0) + 1
+            return None
+        if self.settings.assignment == "request":
+            unit = None
+        self.pending.merge(self.observer.observe(role, sample, unit))
         self._unsynced += 1
+        if role == "candidate":
+            self._recent["candidate"].append(failed)
+        if self._failing():
+            return self._rollback_failing()
         return self.sync() if self._unsynced >= self.sync_every else None
+
+    def _failing(self) -> bool:
+        """The candidate's last `FAILING_AFTER` requests all failed while the other rollout
+        arms' (control and baseline) last as many all succeeded (on this replica)."""
+        cand, others = self._recent["candidate"], self._recent["others"]
+        full = len(cand) == len(others) == FAILING_AFTER
+        return full and all(cand) and not any(others)
+
+    def _rollback_failing(self) -> Decision | None:
+        """A candidate that stopped answering is rolled back at once, by any replica (the
+        compare-and-set keeps a concurrent decision from being overwritten)."""
+        self._flush()
+        self.adopt()
+        if self.state.status not in ("running", "held"):
+            return None
+        self.state.tally = self.store.tally(self.state.epoch)
+        log_e = {t.name: self.state.tally.log_e(t.name) for t in self.spec.tests}
+        if not self._act("rollback", "candidate_failing", log_e):
+            return None
+        return Decision("rollback", "candidate_failing")
 
     def sync(self) -> Decision | None:
         """Add this replica's samples to the store, adopt the shared state, and, holding the
         lease, decide on the shared tally."""
-        self.store.add_tally(self.state.epoch, self.pending)
-        self.pending, self._unsynced = Tally(), 0
+        self._flush()
         self.adopt()
         if self.state.status not in ("running", "held"):
             return None
@@ -193,17 +273,18 @@ class RolloutController:
         self.state.tally = self.store.tally(self.state.epoch)
         return self.look()
 
+    def _flush(self) -> None:
+        self.store.add_tally(self.state.epoch, self.pending)
+        self.pending, self._unsynced = Tally(), 0
+
     def adopt(self) -> None:
         """Take the store's state if someone else changed it (a decision, a command)."""
         shared = self.store.load()
-        if shared is None:
-            return
-        if shared["epoch"] == self.state.epoch and len(shared["decisions"]) == len(
-            self.state.decisions
-        ):
+        if shared is None or shared.get("version", 0) == self.state.version:
             return
         epoch = self.state.epoch
         self.state = RolloutState.from_json(shared)
+        self.state.tally = self.store.tally(self.state.epoch)
         if self.state.epoch != epoch:
             self.observer, self.pending = StepObserver(self.spec), Tally()
         self.apply_weights()
@@ -216,7 +297,7 @@ class RolloutController:
             log_e = {t.name: log_e[t.name] for t in self.spec.of_role("guardrail")}
         decision = decide(
             self.spec,
-            tally.requests["baseline"],
+            tally.requests["reference"],
             tally.requests["candidate"],
             log_e,
             self.clock() - self.state.step_started,
@@ -224,11 +305,13 @@ class RolloutController:
         )
         if decision is None or (decision.kind == "hold" and self.state.status == "held"):
             return None
-        self._act(decision.kind, decision.reason, log_e)
-        return decision
+        return decision if self._act(decision.kind, decision.reason, log_e) else None
 
-    def _act(self, kind: str, reason: str, log_e: dict[str, float]) -> None:
-        state = self.state
+    def _act(self, kind: str, reason: str, log_e: dict[str, float]) -> bool:
+        """Apply `kind` to a copy of the state and save it as a compare-and-set; False (and
+        the store's state adopted) when another writer saved first."""
+        before = self.state
+        state = before.copy()
         entry = {
             "time": self.clock(),
             "kind": kind,
@@ -236,38 +319,36 @@ class RolloutController:
             "replica": self.owner,
             "step": state.step,
             "share": self.share,
-            "n": dict(state.tally.requests),
+            "n": dict(before.tally.requests),
             "e_values": {k: _e_value(v + state.carried.get(k, 0.0)) for k, v in log_e.items()},
         }
-        if kind == "advance":
+        if kind in ("advance", "resume"):  # the step's guardrail evidence carries on
             for test in self.spec.of_role("guardrail"):
                 state.carried[test.name] = state.carried.get(test.name, 0.0) + log_e[test.name]
+        if kind == "advance":
             state.step += 1
             if state.step == len(self.settings.steps) - 1:
                 state.status = "promoted"
         else:
-            state.status = cast(
-                Status,
-                {
-                    "rollback": "rolled_back",
-                    "promote": "promoted",
-                    "hold": "held",
-                    "abort": "aborted",
-                    "pause": "paused",
-                    "resume": "running",
-                }[kind],
-            )
+            state.status = cast(Status, _STATUS_AFTER[kind])
         if kind in ("advance", "resume"):
             state.step_started = self.clock()
             state.epoch += 1
-            state.tally, self.pending = Tally(), Tally()
-            self.observer = StepObserver(self.spec)
         state.decisions.append(entry)
+        if not self.store.save(state.to_json(), before.version):
+            self.adopt()
+            return False
+        state.version = before.version + 1
+        if state.epoch == before.epoch:
+            state.tally = before.tally
+        else:
+            self.pending, self.observer = Tally(), StepObserver(self.spec)
+        self.state = state
         log.info("rollout_decision", model=self.model, **entry)
         if self.metrics is not None:
             self.metrics.decisions.labels(self.model, kind).inc()
         self.apply_weights()
-        self.save()
+        return True
 
     def command(self, action: str) -> None:
         """An operator's `pause`, `resume`, `abort` or `promote` (ValueError if not now)."""
@@ -279,13 +360,21 @@ class RolloutController:
         }
         if action not in allowed:
             raise ValueError(f"unknown action `{action}`; valid: {', '.join(allowed)}")
-        self.adopt()
-        if self.state.status not in allowed[action]:
-            raise ValueError(f"cannot {action} a rollout that is {self.state.status}")
-        self._act(action, "operator", {})
+        self._flush()
+        for _ in range(COMMAND_TRIES):
+            self.adopt()
+            if self.state.status not in allowed[action]:
+                raise ValueError(f"cannot {action} a rollout that is {self.state.status}")
+            tally = self.store.tally(self.state.epoch)
+            log_e = {t.name: tally.log_e(t.name) for t in self.spec.of_role("guardrail")}
+            if self._act(action, "operator", log_e):
+                return
+        raise ValueError(f"cannot {action} now: the rollout's state keeps changing; try again")
 
     def save(self) -> None:
-        self.store.save(self.state.to_json())
+        """Write the state as it stands (a first save of a new rollout)."""
+        if self.store.save(self.state.to_json(), self.state.version):
+            self.state.version += 1
 
     def status(self) -> dict[str, Any]:
         """What `carousel rollout status` shows (the shared tally, with this replica's
@@ -293,21 +382,67 @@ class RolloutController:
         self.adopt()
         tally = self.store.tally(self.state.epoch)
         tally.merge(self.pending)
+        s = self.settings
         return {
             "model": self.model,
-            "baseline": self.settings.baseline,
-            "candidate": self.settings.candidate,
+            "baseline": s.baseline,
+            "candidate": s.candidate,
+            "control": s.control,
+            "compared": [s.candidate, self.topology.reference],
+            "assignment": s.assignment,
+            "unit": "request" if s.assignment == "request" else "user",
             "status": self.state.status,
             "replica": self.owner,
             "decider": self.store.lease_holder(),
             "step": self.state.step,
-            "steps": self.settings.steps,
+            "steps": s.steps,
             "candidate_share": self.share,
+            "weights": self.weights(),
             "step_age_s": round(self.clock() - self.state.step_started, 3),
             "n": dict(tally.requests),
+            "units": dict(tally.units),
+            "not_randomised": dict(tally.apart),
             "e_values": {t.name: _e_value(tally.log_e(t.name)) for t in self.spec.tests},
+            "samples": {t.name: tally.n.get(t.name, 0) for t in self.spec.tests},
+            "carried": {k: _e_value(v) for k, v in self.state.carried.items()},
+            "notes": self.notes + self._empty_tests(tally),
             "decisions": self.state.decisions,
         }
+
+    def _empty_tests(self, tally: Tally) -> list[str]:
+        """Tests with no sample while the arms have had plenty (say why, never stay silent)."""
+        if min(tally.units.values()) < EMPTY_TEST_UNITS:
+            return []
+        return [
+            f"the test `{t.name}` has no samples after {sum(tally.units.values())} units"
+            for t in self.spec.tests
+            if t.kind == "paired" and not tally.n.get(t.name)
+        ]
+
+
+#: a candidate whose last this-many randomised requests failed while the other rollout arms'
+#: last as many succeeded has stopped answering: rolled back without waiting for a test (under "no
+#: difference" with independent failures at rate e that takes e^10 (1 - e)^10 at a look:
+#: 1.6e-7 at e = 0.3)
+FAILING_AFTER = 10
+#: operator commands retried this often when another writer keeps winning the race
+COMMAND_TRIES = 5
+#: units per arm after which a paired test with no sample is named in the status
+EMPTY_TEST_UNITS = 50
+_STATUS_AFTER = {
+    "rollback": "rolled_back",
+    "promote": "promoted",
+    "hold": "held",
+    "abort": "aborted",
+    "pause": "paused",
+    "resume": "running",
+}
+
+
+def _topology(settings: RolloutSettings, engines: dict[str, int]) -> RolloutTopology:
+    names = [settings.baseline, settings.candidate, settings.control]
+    counts = {n: engines.get(n, 1) for n in names if n is not None}
+    return RolloutTopology(settings.baseline, settings.candidate, settings.control, counts)
 
 
 def _e_value(log_e: float) -> float:

@@ -2,24 +2,37 @@
 
 `Tally` is what is shared between replicas and restarts: per test, the number of statistics
 seen and the sum of log-wealth increments per bet (gateway/rollout/betting.py), plus each
-arm's request count. Sums are order-free, so tallies from several replicas just add.
+arm's request and sample (unit) counts and the requests counted apart (pinned or continued:
+served, never evidence). Sums are order-free, so tallies from several replicas just add.
 
-`StepObserver` turns one replica's completed requests into tally increments:
+`StepObserver` turns one replica's completed requests into tally increments. The arms are
+the *reference* (the rollout's control arm, else its baseline) and the *candidate*.
+- Units: the tests' unit is the unit the split randomises. With `assignment: user` every
+  request of a user goes to the same arm, and a user's latencies share the user's prompts and
+  habits, so its requests are not independent: each user contributes one sample per step, the
+  summary of its first `requests_per_user` requests of the step (the geometric mean of each
+  latency, the share of errors, the share beyond a tail threshold); its later requests of the
+  step count in `requests`, never in a test. Users are independent draws assigned by a hash
+  of their name, so under "no difference" two users' samples are exchangeable whichever arm
+  each is on, and every paired null below is exact whatever the users' own effects (the proof
+  the request-level tests lacked: a few users' effects persist through a whole step). A
+  request without `user`, or any request under `assignment: request`, is its own unit.
 - Pairing (paired tests): per field, candidate samples wait in arrival order; each is paired
-  with the most recent unpaired baseline sample (older unpaired ones are dropped when more
+  with the most recent unpaired reference sample (older unpaired ones are dropped when more
   than `PAIR_BUFFER` wait). The choice depends on arrival order only, never on values, so
   under "no difference" each pair is exchangeable; pairing recent samples keeps a pair close
   in time when load drifts.
-- Tail reference (tail tests): the baseline's running `TAIL_QUANTILE` over its last
-  `TAIL_WINDOW` samples of the step, recomputed every `TAIL_REFRESH` samples, once it has
-  `TAIL_MIN_SAMPLES`; candidate samples seen before that are not scored.
+- Tail reference (tail tests): the reference's running `TAIL_QUANTILE` over its last
+  `TAIL_WINDOW` requests of the step, recomputed every `TAIL_REFRESH` requests, once it has
+  `TAIL_MIN_SAMPLES`; candidate requests seen before that are not scored.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -30,17 +43,33 @@ PAIR_BUFFER = 256
 TAIL_WINDOW = 2000
 TAIL_REFRESH = 250
 TAIL_MIN_SAMPLES = 500
+#: users followed in one step by one replica; a further user's requests are not scored
+MAX_UNITS = 200_000
+#: a client that went away (gateway/context.py's CLIENT_CLOSED; the rollout imports only
+#: the settings, tests/test_layering.py)
+CLIENT_CLOSED = 499
+#: answers that are the client's own doing: they count for nothing (a disconnect included)
+CLIENT_FAULTS = frozenset({400, 401, 403, 404, 413, 422, CLIENT_CLOSED})
 
+Role = Literal["reference", "candidate"]
+ROLES: tuple[Role, ...] = ("reference", "candidate")
 Sample = dict[str, float]
+
+
+def _zeros() -> dict[str, int]:
+    return {"reference": 0, "candidate": 0}
 
 
 @dataclass
 class Tally:
-    """Per test: statistics seen and log-wealth per bet; per arm: requests seen."""
+    """Per test: statistics seen and log-wealth per bet; per arm: requests and units seen;
+    per arm name: requests counted apart."""
 
     n: dict[str, int] = field(default_factory=dict)
     log_wealth: dict[str, list[float]] = field(default_factory=dict)
-    requests: dict[str, int] = field(default_factory=lambda: {"baseline": 0, "candidate": 0})
+    requests: dict[str, int] = field(default_factory=_zeros)
+    units: dict[str, int] = field(default_factory=_zeros)
+    apart: dict[str, int] = field(default_factory=dict)
 
     def add_increments(self, name: str, increments: np.ndarray) -> None:
         """Add (T, J) log-wealth increments of `name`'s test."""
@@ -56,39 +85,86 @@ class Tally:
             current = np.asarray(self.log_wealth.get(name, [0.0] * num_bets()))
             self.log_wealth[name] = (current + np.asarray(wealth)).tolist()
             self.n[name] = self.n.get(name, 0) + other.n.get(name, 0)
-        for arm, count in other.requests.items():
-            self.requests[arm] = self.requests.get(arm, 0) + count
+        for mine, theirs in ((self.requests, other.requests), (self.units, other.units),
+                             (self.apart, other.apart)):  # fmt: skip
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
 
     def log_e(self, name: str) -> float:
         wealth = self.log_wealth.get(name)
         return 0.0 if wealth is None else float(log_e_value(np.asarray(wealth)))
 
     def empty(self) -> bool:
-        return not any(self.requests.values()) and not self.n
+        return not any(self.requests.values()) and not self.n and not any(self.apart.values())
 
     def to_json(self) -> dict[str, Any]:
-        return {"n": self.n, "log_wealth": self.log_wealth, "requests": self.requests}
+        return {
+            "n": self.n,
+            "log_wealth": self.log_wealth,
+            "requests": self.requests,
+            "units": self.units,
+            "apart": self.apart,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Tally:
-        return cls(dict(data["n"]), dict(data["log_wealth"]), dict(data["requests"]))
+        return cls(
+            dict(data["n"]),
+            dict(data["log_wealth"]),
+            _zeros() | dict(data["requests"]),
+            _zeros() | dict(data.get("units", {})),
+            dict(data.get("apart", {})),
+        )
 
 
 def request_sample(
     status: int, ttft_s: float | None, total_s: float, completion_tokens: int
 ) -> Sample:
-    """A finished request as a sample: a 5xx is an error (no latencies), a 4xx is the
-    client's and counts for nothing; TPOT is (e2e - TTFT) / (completion tokens - 1)."""
-    if status >= 500:
-        return {"error": 1.0}
-    if status >= 400:
+    """A finished request as a sample. The client's own mistakes (`CLIENT_FAULTS`: 400, 401,
+    403, 404, 413, 422, a disconnect) count for nothing; every other failure is the arm's
+    error (a 429 for a full queue or a missed deadline, 503, any 5xx, a timeout, an unreachable
+    upstream), with no latencies. TPOT is (e2e - TTFT) / (completion tokens - 1)."""
+    if status in CLIENT_FAULTS:
         return {}
+    if status >= 400:
+        return {"error": 1.0}
     sample: Sample = {"error": 0.0, "e2e_ms": total_s * 1000}
     if ttft_s is not None:
         sample["ttft_ms"] = ttft_s * 1000
         if completion_tokens > 1:
             sample["tpot_ms"] = (total_s - ttft_s) * 1000 / (completion_tokens - 1)
     return sample
+
+
+@dataclass
+class UnitSummary:
+    """One unit's requests so far: log-latency sums, errors, tail exceedances."""
+
+    requests: int = 0
+    log_sum: dict[str, float] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+    errors: float = 0.0
+    tail_sum: dict[str, float] = field(default_factory=dict)
+    tail_count: dict[str, int] = field(default_factory=dict)
+
+    def add(self, sample: Sample, tails: dict[str, float]) -> None:
+        self.requests += 1
+        self.errors += sample.get("error", 0.0)
+        for name, value in sample.items():
+            if name != "error" and math.isfinite(value) and value > 0:
+                self.log_sum[name] = self.log_sum.get(name, 0.0) + math.log(value)
+                self.count[name] = self.count.get(name, 0) + 1
+        for name, value in tails.items():
+            self.tail_sum[name] = self.tail_sum.get(name, 0.0) + value
+            self.tail_count[name] = self.tail_count.get(name, 0) + 1
+
+    def sample(self) -> Sample:
+        """The unit's one sample: geometric mean latencies and the share of errors."""
+        out = {name: math.exp(total / self.count[name]) for name, total in self.log_sum.items()}
+        return out | {"error": self.errors / self.requests}
+
+    def tail_shares(self) -> dict[str, float]:
+        return {name: total / self.tail_count[name] for name, total in self.tail_sum.items()}
 
 
 class TailReference:
@@ -130,46 +206,83 @@ class StepObserver:
 
     def __init__(self, spec: RolloutSpec) -> None:
         self.spec = spec
-        fields = {t.field for t in spec.tests}
-        self._base: dict[str, deque[float]] = {f: deque(maxlen=PAIR_BUFFER) for f in fields}
+        fields = {t.field for t in spec.tests if t.kind == "paired"}
+        self._ref: dict[str, deque[float]] = {f: deque(maxlen=PAIR_BUFFER) for f in fields}
         self._cand: dict[str, deque[float]] = {f: deque(maxlen=PAIR_BUFFER) for f in fields}
         self._tails = {t.field: TailReference() for t in spec.tests if t.kind == "tail"}
+        self._units: dict[tuple[Role, str], UnitSummary] = {}
+        self._scored: set[tuple[Role, str]] = set()
 
-    def observe(self, arm: str, sample: Sample) -> Tally:
-        """The tally increment of one completed request of `arm` ("baseline"/"candidate")."""
+    @property
+    def requests_per_unit(self) -> int:
+        return self.spec.settings.requests_per_user
+
+    def observe(self, arm: Role, sample: Sample, unit: str | None = None) -> Tally:
+        """The tally increment of one completed request of `arm`; `unit`: the user it counts
+        for (None: the request is its own unit)."""
         tally = Tally()
         tally.requests[arm] += 1
-        for name in SAMPLE_FIELDS:
+        tails = self._tail_statistics(arm, sample)
+        if unit is None:
+            one = UnitSummary()
+            one.add(sample, tails)
+            self._score(tally, arm, one)
+            return tally
+        key = (arm, unit)
+        if key in self._scored:
+            return tally
+        summary = self._units.get(key)
+        if summary is None:
+            if len(self._units) + len(self._scored) >= MAX_UNITS:
+                return tally
+            summary = self._units[key] = UnitSummary()
+        summary.add(sample, tails)
+        if summary.requests >= self.requests_per_unit:
+            del self._units[key]
+            self._scored.add(key)
+            self._score(tally, arm, summary)
+        return tally
+
+    def _tail_statistics(self, arm: Role, sample: Sample) -> dict[str, float]:
+        """Per tail test, this request's statistic (a reference request updates the tails)."""
+        out: dict[str, float] = {}
+        for name, reference in self._tails.items():
             value = sample.get(name, float("nan"))
             if not np.isfinite(value):
                 continue
-            if name in self._tails:
-                self._observe_tail(tally, arm, name, value)
-            if name in self._base:
-                self._observe_pair(tally, arm, name, value)
-        return tally
+            if arm == "reference":
+                reference.add(value)
+                continue
+            if reference.threshold is None:
+                continue
+            threshold, c = np.asarray([reference.threshold]), np.asarray([value])
+            for test in self._tests(name, "tail"):
+                out[test.name] = float(test.statistic(threshold, c)[0])
+        return out
 
     def _tests(self, field_name: str, kind: str) -> list[TestSpec]:
         return [t for t in self.spec.tests if t.field == field_name and t.kind == kind]
 
-    def _observe_pair(self, tally: Tally, arm: str, name: str, value: float) -> None:
-        if arm == "baseline":
-            self._base[name].append(value)
+    def _score(self, tally: Tally, arm: Role, unit: UnitSummary) -> None:
+        """One unit's sample into the paired tests, its tail shares into the tail tests."""
+        tally.units[arm] += 1
+        sample = unit.sample()
+        for name in SAMPLE_FIELDS:
+            value = sample.get(name, float("nan"))
+            if name in self._ref and np.isfinite(value):
+                self._observe_pair(tally, arm, name, value)
+        for test in self.spec.tests:
+            share = unit.tail_shares().get(test.name)
+            if test.kind == "tail" and share is not None:
+                tally.add_increments(test.name, test.test.increments(np.asarray([share])))
+
+    def _observe_pair(self, tally: Tally, arm: Role, name: str, value: float) -> None:
+        if arm == "reference":
+            self._ref[name].append(value)
         else:
             self._cand[name].append(value)
-        while self._base[name] and self._cand[name]:
-            b = np.asarray([self._base[name].pop()])  # the most recent baseline sample
+        while self._ref[name] and self._cand[name]:
+            b = np.asarray([self._ref[name].pop()])  # the most recent reference sample
             c = np.asarray([self._cand[name].popleft()])  # the oldest waiting candidate
             for test in self._tests(name, "paired"):
                 tally.add_increments(test.name, test.test.increments(test.statistic(b, c)))
-
-    def _observe_tail(self, tally: Tally, arm: str, name: str, value: float) -> None:
-        reference = self._tails[name]
-        if arm == "baseline":
-            reference.add(value)
-            return
-        if reference.threshold is None:
-            return
-        threshold, c = np.asarray([reference.threshold]), np.asarray([value])
-        for test in self._tests(name, "tail"):
-            tally.add_increments(test.name, test.test.increments(test.statistic(threshold, c)))

@@ -17,12 +17,20 @@ per-request statistic:
     candidate's error rate exceeds the baseline's by at most d.
   - target `goodput` (here: the share of requests served without error): e_b - e_c; "better"
     rejects H0: the candidate's good share is not above the baseline's.
+  - regression on the target (`regression_<metric>`, a guardrail of tolerance 0, 0.10 for a
+    `*_p99` target, unless the guardrails already watch the target's metric): rejects H0:
+    the candidate is not worse on the target itself, so a candidate significantly worse on
+    what it was meant to improve is rolled back, not held.
 - Tail statistics. A 0.99-quantile confidence sequence is far too wide to decide anything in a
   few thousand requests, so a p99 is judged by the share of candidate requests beyond the
   baseline's running p99 (times 1 + r for a guardrail): guardrail `*_p99` rejects H0: that
   share is at most 1%; target `ttft_p99` rejects H0: it is at least 1%. The baseline's p99 is
   an estimate (TailReference), so this null is approximate; scripts/rollout_sim.py measures
   the resulting error rates.
+
+Here "baseline" means the reference the candidate is compared with: the rollout's `control`
+arm when it has one, else its baseline (gateway/settings/rollout_topology.py); a sample is a
+request, or a user's first requests of the step (gateway/rollout/evidence.py).
 
 Error rates: the advance test and each equivalence test run at `alpha`; the guardrails share
 `alpha` (Bonferroni), and a guardrail's e-value carries from step to step by multiplication,
@@ -45,6 +53,9 @@ from gateway.settings.rollout import RolloutSettings
 EQUIVALENCE_MARGIN = 0.05
 #: the tail tests' quantile, and the null share of candidate requests beyond it
 TAIL_QUANTILE = 0.99
+#: the implicit regression guardrail of a `*_p99` target: its reference p99 is an estimate,
+#: so a tolerance of 0 would put A/A at the edge of the null
+REGRESSION_P99_TOLERANCE = 0.10
 #: which request field each metric's samples come from (NaN: not measured, e.g. a failure)
 FIELDS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms"}
 SAMPLE_FIELDS = ("ttft_ms", "tpot_ms", "e2e_ms", "error")
@@ -121,7 +132,7 @@ class RolloutSpec:
 
     def log_threshold(self, role: Role) -> float:
         """Reject when log(e) reaches this: log(1/alpha), guardrails sharing alpha."""
-        share = max(1, len(self.settings.guardrails)) if role == "guardrail" else 1
+        share = max(1, len(self.of_role("guardrail"))) if role == "guardrail" else 1
         return math.log(share / self.alpha)
 
     def of_role(self, role: Role) -> tuple[TestSpec, ...]:
@@ -130,7 +141,30 @@ class RolloutSpec:
 
 def build_spec(settings: RolloutSettings) -> RolloutSpec:
     """The tests of `settings`: the target's (and its equivalence pair), then the guardrails."""
-    return RolloutSpec(settings, (*_target_tests(settings.metric), *_guardrails(settings)))
+    watched = [(f"guardrail_{m}", m, tolerance) for m, tolerance in settings.guardrails.items()]
+    regression = _regression_name(settings.metric)
+    if regression not in settings.guardrails:
+        tolerance = REGRESSION_P99_TOLERANCE if regression.endswith("_p99") else 0.0
+        watched.append((f"regression_{settings.metric}", regression, tolerance))
+    return RolloutSpec(settings, (*_target_tests(settings.metric), *_guardrails(watched)))
+
+
+def _regression_name(metric: str) -> str:
+    """The guardrail that watches the target's own metric (goodput: the error rate)."""
+    return "error_rate" if metric == "goodput" else metric
+
+
+def unsampled_notes(spec: RolloutSpec, upstream_arms: list[str]) -> list[str]:
+    """What the operator must know of tests fed by TTFT or TPOT when a compared arm is
+    upstream: the gateway learns those only from a stream, so unstreamed requests feed them
+    nothing (their e2e and errors still count)."""
+    tests = [t.name for t in spec.tests if t.field in ("ttft_ms", "tpot_ms")]
+    if not upstream_arms or not tests:
+        return []
+    return [
+        f"the tests {', '.join(tests)} get samples only from streamed requests: the upstream "
+        f"arm(s) {', '.join(upstream_arms)} report no TTFT or TPOT for an unstreamed reply"
+    ]
 
 
 def _target_tests(metric: str) -> tuple[TestSpec, ...]:
@@ -151,10 +185,10 @@ def _target_tests(metric: str) -> tuple[TestSpec, ...]:
     )
 
 
-def _guardrails(settings: RolloutSettings) -> tuple[TestSpec, ...]:
+def _guardrails(watched: list[tuple[str, str, float]]) -> tuple[TestSpec, ...]:
+    """(name, metric, tolerance) of each guardrail -> its test."""
     tests = []
-    for metric, tolerance in settings.guardrails.items():
-        name = f"guardrail_{metric}"
+    for name, metric, tolerance in watched:
         if metric == "error_rate":
             test = MeanTest(tolerance, -1.0)
             tests.append(TestSpec(name, "guardrail", "error", "paired", difference, test))

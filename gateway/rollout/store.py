@@ -2,7 +2,12 @@
 
 Two kinds of data, written differently:
 - the state (step, status, epoch, carried guardrail evidence, decision log): written whole
-  by whoever acts (the replica holding the lease, or an operator's command);
+  by whoever acts (the replica holding the lease, or an operator's command), as a
+  compare-and-set on its `version`: `save(state, expected)` writes only if the stored version
+  is still `expected` (0: nothing stored yet), and the written state carries `expected + 1`.
+  So an operator's abort on one replica and the decider's advance on another can never
+  overwrite each other: the later writer is refused, reads the state back, and decides again
+  from it;
 - each epoch's tally (gateway/rollout/evidence.py): every replica *adds* its own samples'
   increments; sums are order-free, so increments from any replica in any order add up.
 
@@ -26,7 +31,7 @@ from gateway.rollout.evidence import Tally
 class RolloutStore(Protocol):
     def load(self) -> dict[str, Any] | None: ...
 
-    def save(self, state: dict[str, Any]) -> None: ...
+    def save(self, state: dict[str, Any], expected: int) -> bool: ...
 
     def add_tally(self, epoch: int, tally: Tally) -> None: ...
 
@@ -48,8 +53,12 @@ class MemoryRolloutStore:
     def load(self) -> dict[str, Any] | None:
         return None if self._state is None else json.loads(json.dumps(self._state))
 
-    def save(self, state: dict[str, Any]) -> None:
-        self._state = json.loads(json.dumps(state))
+    def save(self, state: dict[str, Any], expected: int) -> bool:
+        current = 0 if self._state is None else self._state.get("version", 0)
+        if current != expected:
+            return False
+        self._state = json.loads(json.dumps(state)) | {"version": expected + 1}
+        return True
 
     def add_tally(self, epoch: int, tally: Tally) -> None:
         self._tallies.setdefault(epoch, Tally()).merge(tally)
@@ -79,9 +88,11 @@ class FileRolloutStore(MemoryRolloutStore):
             self._state = data["state"]
             self._tallies = {int(k): Tally.from_json(v) for k, v in data["tallies"].items()}
 
-    def save(self, state: dict[str, Any]) -> None:
-        super().save(state)
+    def save(self, state: dict[str, Any], expected: int) -> bool:
+        if not super().save(state, expected):
+            return False
         self._write()
+        return True
 
     def add_tally(self, epoch: int, tally: Tally) -> None:
         super().add_tally(epoch, tally)
@@ -107,8 +118,21 @@ class RedisRolloutStore:
         raw = self.redis.get(f"{self.prefix}:state")
         return None if raw is None else json.loads(str(raw))
 
-    def save(self, state: dict[str, Any]) -> None:
-        self.redis.set(f"{self.prefix}:state", json.dumps(state))
+    def save(self, state: dict[str, Any], expected: int) -> bool:
+        # NOTE: compare-and-set in one step on the server: read the stored version, write only
+        # if it is still `expected`
+        written = self.redis.eval(
+            "local raw = redis.call('get', KEYS[1]) "
+            "local current = 0 "
+            "if raw then current = cjson.decode(raw)['version'] or 0 end "
+            "if current ~= tonumber(ARGV[2]) then return 0 end "
+            "redis.call('set', KEYS[1], ARGV[1]) return 1",
+            1,
+            f"{self.prefix}:state",
+            json.dumps(state | {"version": expected + 1}),
+            expected,
+        )
+        return bool(written)
 
     def add_tally(self, epoch: int, tally: Tally) -> None:
         key = f"{self.prefix}:tally:{epoch}"
@@ -117,8 +141,10 @@ class RedisRolloutStore:
             for j, value in enumerate(wealth):
                 pipe.hincrbyfloat(key, f"w:{name}:{j}", value)
             pipe.hincrby(key, f"n:{name}", tally.n.get(name, 0))
-        for arm, count in tally.requests.items():
-            pipe.hincrby(key, f"req:{arm}", count)
+        for prefix, counts in (("req", tally.requests), ("unit", tally.units),
+                               ("apart", tally.apart)):  # fmt: skip
+            for arm, count in counts.items():
+                pipe.hincrby(key, f"{prefix}:{arm}", count)
         pipe.execute()
 
     def tally(self, epoch: int) -> Tally:
@@ -126,8 +152,9 @@ class RedisRolloutStore:
         tally = Tally()
         for field, value in fields.items():
             kind, _, rest = field.partition(":")
-            if kind == "req":
-                tally.requests[rest] = int(value)
+            if kind in ("req", "unit", "apart"):
+                counts = {"req": tally.requests, "unit": tally.units, "apart": tally.apart}[kind]
+                counts[rest] = int(value)
             elif kind == "n":
                 tally.n[rest] = int(value)
             else:

@@ -149,6 +149,11 @@ class ArmBase(BaseModel):
     def is_upstream(self) -> bool:
         return self.upstream is not None
 
+    @property
+    def engines(self) -> int:
+        """How many engines serve this arm: one per upstream URL, one for a local arm."""
+        return len(self.upstream.base_urls) if self.upstream is not None else 1
+
 
 def _optional_knobs() -> dict[str, Any]:
     """Each per-arm setting as an optional field (None: the top-level value) with its checks."""

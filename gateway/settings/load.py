@@ -52,6 +52,7 @@ from gateway.settings.principals import (
     read_key_file,
 )
 from gateway.settings.rollout import RolloutSettings
+from gateway.settings.rollout_topology import RolloutTopology
 
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "CAROUSEL_"
@@ -137,25 +138,40 @@ class Settings(
 
     @model_validator(mode="after")
     def _rollout_arms(self) -> Settings:
-        """The rollout's two arms exist, take traffic, and do not share one device."""
+        """The rollout's arms exist, take traffic, the compared two do not share one device,
+        and at every deciding step their engines carry equal loads (rollout_topology.py)."""
         if self.rollout is None:
             return self
         specs = {a.name: a for a in self.arms or [] if not a.shadow}
-        names = (self.rollout.baseline, self.rollout.candidate)
+        rollout = self.rollout
+        names = [rollout.baseline, rollout.candidate] + (
+            [rollout.control] if rollout.control else []
+        )
         missing = [n for n in names if n not in specs]
         if missing:
             known = ", ".join(specs) or "none (no `arms:`)"
             raise ValueError(f"rollout arm(s) {missing} are not arms of this deployment: {known}")
-        local = [specs[n] for n in names if specs[n].upstream is None]
+        compared = (rollout.reference, rollout.candidate)
+        local = [specs[n] for n in compared if specs[n].upstream is None]
         devices = {getattr(a, "device", None) or self.device for a in local}
         if len(local) == 2 and len(devices) == 1:
             device = devices.pop() or "the default device"
             raise ValueError(
-                f"the rollout's arms `{names[0]}` and `{names[1]}` are local arms sharing one "
-                f"device ({device}): their latencies confound each other. Give each arm its "
+                f"the rollout's arms `{compared[0]}` and `{compared[1]}` are local arms sharing "
+                f"one device ({device}): their latencies confound each other. Give each arm its "
                 "own engine: make one an upstream arm (docs/rollout.md)."
             )
+        problems = self.rollout_topology().problems(rollout.steps)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+    def rollout_topology(self) -> RolloutTopology:
+        """The rollout's arms and their engines (the rollout must be declared)."""
+        assert self.rollout is not None
+        engines = {a.name: a.engines for a in self.arms or []}
+        r = self.rollout
+        return RolloutTopology(r.baseline, r.candidate, r.control, engines)
 
     @property
     def model_name(self) -> str:

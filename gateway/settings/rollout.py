@@ -2,8 +2,10 @@
 
 ```yaml
 rollout:
-  baseline: orca            # an arm of this deployment
+  baseline: orca            # an arm of this deployment (production)
+  control: orca-control     # an engine of the baseline's config at the candidate's share
   candidate: sjf            # another arm (local or upstream)
+  assignment: user          # or request: what the split randomises, and the tests' unit
   steps: [5, 25, 50, 100]   # candidate's share of traffic, percent
   metric: ttft_p50          # what must improve: ttft_p50|ttft_p99|tpot_p50|e2e_p50|goodput
   guardrails:               # largest tolerated regression of the candidate
@@ -16,7 +18,8 @@ rollout:
   alpha: 0.05
 ```
 
-What each key means for the tests is in gateway/rollout/spec.py and docs/rollout.md.
+What each key means for the tests is in gateway/rollout/spec.py and docs/rollout.md; which
+arm topologies compare equal loads (and are therefore accepted) in gateway/rollout/topology.py.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ class RolloutSettings(BaseModel):
 
     baseline: str
     candidate: str
+    #: the arm the candidate is compared with, at the candidate's share (Kayenta's baseline)
+    control: str | None = None
+    #: what the split randomises: a user (sticky, by the `user` field) or each request
+    assignment: Literal["user", "request"] = "user"
+    #: with `assignment: user`, a user's first this-many requests of a step are its one sample
+    requests_per_user: int = Field(5, ge=1, le=100)
     steps: list[float] = Field(default=[5, 25, 50, 100], min_length=1)
     metric: Literal["ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50", "goodput"] = "ttft_p50"
     guardrails: dict[str, float] = Field(default_factory=lambda: {"error_rate": 0.005})
@@ -74,6 +83,12 @@ class RolloutSettings(BaseModel):
 
     @model_validator(mode="after")
     def _two_arms(self) -> RolloutSettings:
-        if self.baseline == self.candidate:
-            raise ValueError("the rollout's baseline and candidate must be different arms")
+        names = [self.baseline, self.candidate] + ([self.control] if self.control else [])
+        if len(set(names)) != len(names):
+            raise ValueError("the rollout's baseline, candidate and control must be different arms")
         return self
+
+    @property
+    def reference(self) -> str:
+        """The arm the tests compare the candidate with: `control`, else `baseline`."""
+        return self.control or self.baseline
