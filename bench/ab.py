@@ -15,6 +15,12 @@ From histograms, quantiles are interpolated inside buckets (Prometheus' histogra
 and their intervals come from resampling the bucket counts (multinomial); TPOT has no
 histogram, and goodput only has its TTFT part.
 
+Load (bench/ab_load.py): arms compared at unequal loads per engine (an identical pair of
+engines at 10/90) are reported as confounded by load, naming the fix.
+
+Unit: the record's verdict resamples users (a split assigns by `user`, so a user's requests
+move together); a request without `user` is its own unit.
+
 Confounding: arms with one `device_group` in `carousel_arm_info` (local arms of one process:
 one device thread) share the device; arms that both export `carousel_num_requests_running`
 in one scrape are local arms of one process, so they share it too. They are *confounded* when
@@ -35,6 +41,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.ab_load import engines_of, load_entry
 from bench.client import RequestResult
 from bench.metrics import Slo, parse_slo
 from bench.prom import (
@@ -302,19 +309,33 @@ def record_results(records: list[Recorded]) -> list[RequestResult]:
     return results
 
 
+def record_users(records: list[Recorded]) -> np.ndarray:
+    """Each record's unit: its `user` (a split assigns by it, so a user's requests share an
+    arm and move together), else the request itself."""
+    return np.asarray(
+        [
+            f"user:{user}" if isinstance(user := rec.body.get("user"), str) and user else f"#{i}"
+            for i, rec in enumerate(records)
+        ]
+    )
+
+
 def record_verdict(
     by_arm: dict[str, list[Recorded]], base: str, arm: str, slo: Slo, rng: np.random.Generator,
     num_resamples: int,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Entries from the traffic record: a bootstrap over each arm's own requests."""
+    """Entries from the traffic record: a bootstrap over each arm's own users (the unit a
+    split randomises; a request without `user` is its own)."""
     samples = []
     for name in (base, arm):
         results = record_results(by_arm.get(name, []))
         samples.append(run_sample(results, len(results), None, slo))
     metrics = [METRICS_BY_KEY[k] for k in RECORD_METRICS]
+    clusters = (record_users(by_arm.get(base, [])), record_users(by_arm.get(arm, [])))
     return compare_runs(
         base, [samples[0]], arm, [samples[1]], slo_active=slo.active, rng=rng,
         num_resamples=num_resamples, paired=False, metrics=metrics, simultaneous=True,
+        clusters=clusters,
     )  # fmt: skip
 
 
@@ -416,6 +437,7 @@ def build_ab_report(args: argparse.Namespace) -> dict[str, Any]:
     base = arms[0]
     comparison: list[dict[str, Any]] = []
     device: list[dict[str, Any]] = []
+    load: list[dict[str, Any]] = []
     notes: list[str] = []
     for arm in arms[1:]:
         if args.record:
@@ -436,6 +458,12 @@ def build_ab_report(args: argparse.Namespace) -> dict[str, Any]:
         comparison += rows
         shared, group = device_of(info, local_arms, model, base, arm)
         device.append(confounding(base, arm, shared, group, overlap, served))
+        arm_requests = {
+            a: _arm_entry(a, info, model, window or current, records)["requests"]
+            for a in (base, arm)
+        }
+        engines = {a: engines_of(info, model, a) for a in (base, arm)}
+        load.append(load_entry(base, arm, arm_requests, engines))
     return {
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "url": args.url,
@@ -445,6 +473,7 @@ def build_ab_report(args: argparse.Namespace) -> dict[str, Any]:
         "baseline": base,
         "arms": [_arm_entry(a, info, model, window or current, records) for a in arms],
         "device": device,
+        "load": load,
         "comparison": comparison,
         "notes": notes,
     }
@@ -536,6 +565,7 @@ def render_text(report: dict[str, Any]) -> str:
         "",
     ]
     lines += [f"device: {d['text']}" for d in report["device"]]
+    lines += [f"load: {d['text']}" for d in report.get("load", [])]
     for arm in dict.fromkeys(e["arm"] for e in report["comparison"]):
         lines += ["", f"{arm} against {report['baseline']}:"]
         for e in (e for e in report["comparison"] if e["arm"] == arm):

@@ -43,6 +43,18 @@ DIRECT_MAX_VALUES = 20_000
 NUM_BLOCKS = 256
 
 
+def cluster_weights(
+    rng: np.random.Generator, clusters: np.ndarray, num_resamples: int
+) -> np.ndarray:
+    """A `(num_resamples, n)` matrix of request weights from a bootstrap over clusters: each
+    row draws the run's clusters (users) with replacement, and a request weighs as often as
+    its cluster was drawn. Requests of one user move together, so the interval is as wide as
+    the number of users, not of requests, allows."""
+    ids, owner = np.unique(np.asarray(clusters), return_inverse=True)
+    draws = rng.multinomial(ids.size, np.full(ids.size, 1.0 / ids.size), size=num_resamples)
+    return draws[:, owner].astype(np.int64)  # (num_resamples, n)
+
+
 def resample_weights(
     rng: np.random.Generator, run_sizes: Sequence[int], num_resamples: int
 ) -> list[np.ndarray]:

@@ -40,7 +40,13 @@ import numpy as np
 
 from bench.client import RequestResult
 from bench.metrics import Slo, meets_slo, tpot
-from bench.stats import interval, resample_weights, weighted_mean, weighted_quantile
+from bench.stats import (
+    cluster_weights,
+    interval,
+    resample_weights,
+    weighted_mean,
+    weighted_quantile,
+)
 
 Kind = Literal["quantile", "throughput", "share"]
 DEFAULT_RESAMPLES = 2000
@@ -198,12 +204,20 @@ def compare_runs(
     metrics: Sequence[MetricSpec] = METRICS,
     margin: float = DEFAULT_EQUIVALENCE_MARGIN,
     simultaneous: bool = False,
+    clusters: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[dict[str, Any]]:
     """One entry per metric (goodput only with an SLO): `arm` against `baseline`.
 
     `simultaneous`: the arms served their requests side by side (a live split), so whatever
     load a run shared hit both, and one run per arm is replicated enough (module docstring).
+    `clusters`: (baseline's, arm's) unit of each request of one unpaired run per arm (the
+    user a live split assigned by): the bootstrap resamples units, not requests.
     """
+    if clusters is not None:
+        return _compare_clustered(
+            baseline, base_runs, arm, arm_runs, clusters, slo_active, rng, num_resamples,
+            metrics, margin,
+        )  # fmt: skip
     num = min(len(base_runs), len(arm_runs)) if paired else None
     base_runs, arm_runs = list(base_runs)[:num], list(arm_runs)[:num]
     base_sizes, arm_sizes = [r.size for r in base_runs], [r.size for r in arm_runs]
@@ -226,6 +240,29 @@ def compare_runs(
             spec, baseline, base, arm, other, method, units, margin=margin, replicated=replicated
         )
         entries.append(entry)
+    return entries
+
+
+def _compare_clustered(
+    baseline: str, base_runs: Sequence[RunSample], arm: str, arm_runs: Sequence[RunSample],
+    clusters: tuple[np.ndarray, np.ndarray], slo_active: bool, rng: np.random.Generator,
+    num_resamples: int, metrics: Sequence[MetricSpec], margin: float,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """`compare_runs` for one live run per arm, resampling each arm's units (users)."""
+    base_w = [cluster_weights(rng, clusters[0], num_resamples)]
+    arm_w = [cluster_weights(rng, clusters[1], num_resamples)]
+    units = min(np.unique(clusters[0]).size, np.unique(clusters[1]).size)
+    method = f"bootstrap over users (independent, {num_resamples} resamples)"
+    entries = []
+    for spec in metrics:
+        if spec.kind == "share" and not slo_active:
+            continue
+        base, other = estimate(spec, base_runs, base_w), estimate(spec, arm_runs, arm_w)
+        entries.append(
+            compare_estimates(
+                spec, baseline, base, arm, other, method, units, margin=margin, replicated=True
+            )
+        )
     return entries
 
 
