@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
 from backends.torch.grammar_mask import allocate_bitmask
@@ -211,6 +213,70 @@ def test_a_compiled_grammar_over_the_size_limit_is_refused(
         assert isinstance(error, GrammarError) and error.code is GrammarErrorCode.TOO_LARGE
     finally:
         strict.close()
+
+
+@pytest.fixture
+def no_compiling_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar's compiler fails in this process (the compile children have their own)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a grammar was compiled outside a compile process")
+
+    monkeypatch.setattr(xgr, "GrammarCompiler", refuse)
+
+
+def test_a_grammar_over_the_hand_back_limit_is_refused_not_compiled_again(
+    tokenizer: PreTrainedTokenizerFast, no_compiling_here: None
+) -> None:
+    strict = make_compiler(tokenizer, limits=GrammarLimits(max_handback_bytes=1000))
+    try:
+        error = strict.compile(GrammarSpec.json_schema(OBJECT))  # ~12 KB serialised
+        assert isinstance(error, GrammarError) and error.code is GrammarErrorCode.TOO_LARGE
+        assert "hand back" in error.message and "over the 1000 bytes limit" in error.message
+    finally:
+        strict.close()
+
+
+def test_a_hand_back_that_overruns_the_deadline_is_refused_and_its_process_killed(
+    tokenizer: PreTrainedTokenizerFast, no_compiling_here: None
+) -> None:
+    union = {"anyOf": [  # 2 MiB compiled in ~50 ms; its serialisation takes ~10 s
+        {"type": "object", "required": [f"k{i}_0"],
+         "properties": {f"k{i}_{j}": {"type": "string", "maxLength": 40} for j in range(10)}}
+        for i in range(50)
+    ]}  # fmt: skip
+    one = make_compiler(tokenizer, num_workers=1, limits=GrammarLimits(compile_timeout_s=1.0))
+    try:
+        one.warm_up().result(timeout=60)
+        (first_pid,) = one.process_ids
+        start = time.monotonic()
+        error = one.compile(GrammarSpec.json_schema(union))
+        assert time.monotonic() - start < 3
+        assert isinstance(error, GrammarError) and error.code is GrammarErrorCode.TOO_LARGE
+        assert "did not end within the 1 s limit" in error.message, error
+        assert first_pid not in one.process_ids
+        assert isinstance(one.compile(GrammarSpec.json_schema(OBJECT)), CompiledGrammar)
+    finally:
+        one.close()
+
+
+def test_a_compile_process_that_dies_fails_its_compile_and_is_replaced(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    one = make_compiler(tokenizer, num_workers=1)
+    try:
+        one.warm_up().result(timeout=60)
+        (pid,) = one.process_ids
+        slow = one.submit(GrammarSpec.json_schema({"type": "string", "pattern": "^a{1,6000}$"}))
+        time.sleep(0.3)  # the child is compiling (~1-3 s)
+        os.kill(pid, signal.SIGKILL)
+        error = slow.result(timeout=30)
+        assert isinstance(error, GrammarError) and error.code is GrammarErrorCode.COMPILE
+        assert "exited" in error.message, error
+        assert isinstance(one.compile(GrammarSpec.json_schema(OBJECT)), CompiledGrammar)
+        assert pid not in one.process_ids
+    finally:
+        one.close()
 
 
 def test_a_slow_compile_times_out_at_its_deadline_without_stalling_other_compiles(

@@ -17,8 +17,10 @@ from schedulers.structured_output import (
     GrammarKind,
     GrammarLimits,
     GrammarSpec,
+    check_depth,
     check_spec,
 )
+from schedulers.structured_output.schema_support import MAX_JSON_DEPTH, json_schema_problem
 
 OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -184,7 +186,59 @@ def test_size_and_depth_limits() -> None:
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(200):
         deep = {"type": "array", "items": deep}
-    assert code_of(GrammarSpec.json_schema(deep)) is GrammarErrorCode.TOO_LARGE
+    assert code_of(GrammarSpec.json_schema(deep)) is GrammarErrorCode.TOO_DEEP
+
+
+def test_any_depth_is_measured_without_recursion_and_refused_before_anything_recurses() -> None:
+    far_too_deep: dict[str, Any] = {"type": "string"}
+    for _ in range(100_000):  # no recursive walk (copy, json.dumps, jsonschema) survives this
+        far_too_deep = {"type": "array", "items": far_too_deep}
+    error = check_depth(far_too_deep)
+    assert error is not None and error.code is GrammarErrorCode.TOO_DEEP
+    assert f"{MAX_JSON_DEPTH} levels" in error.message
+    text = '{"const":' + "[" * 400 + "]" * 400 + "}"  # deep enough to overflow a deepcopy
+    spec = GrammarSpec.json_schema(text)
+    assert spec.normalized.startswith("json_schema:")  # refused below, never a RecursionError
+    assert code_of(spec) is GrammarErrorCode.TOO_DEEP
+    too_deep_to_parse = GrammarSpec.json_schema("[" * 40_000 + "]" * 40_000)
+    assert code_of(too_deep_to_parse) is GrammarErrorCode.TOO_DEEP
+    at_the_limit = '{"const":' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "}"
+    assert check_spec(GrammarSpec.json_schema(at_the_limit)) is None
+
+
+@pytest.mark.parametrize(
+    ("schema", "pointer"),
+    [
+        ({"anyOf": [{"$ref": "#"}]}, "/"),
+        ({"allOf": [{"$ref": "#"}]}, "/"),
+        ({"anyOf": [{"$ref": "#"}, False]}, "/"),
+        ({"properties": {"a": {"anyOf": [{"$ref": "#/properties/a"}]}}}, "/properties/a"),
+        ({"$defs": {"a": {"oneOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}},
+          "type": "array", "items": {"$ref": "#/$defs/a"}}, "/items"),
+    ],
+)  # fmt: skip
+def test_a_cycle_of_aliases_with_no_way_out_is_refused_naming_where(
+    schema: dict[str, Any], pointer: str
+) -> None:
+    problem = json_schema_problem(schema)
+    assert problem is not None and problem[0] == "invalid", problem
+    assert f"at {pointer}" in problem[1], problem
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+        {"anyOf": [{"$ref": "#"}, True]},
+        {"type": "object", "properties": {"next": {"$ref": "#"}}},
+        {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}, {"type": "string"}]},
+                   "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(500)}
+         | {"d500": {"type": "string"}}, "$ref": "#/$defs/d0"},
+    ],
+)  # fmt: skip
+def test_cycles_with_a_way_out_and_long_ref_chains_pass(schema: dict[str, Any]) -> None:
+    assert json_schema_problem(schema) is None
 
 
 def test_equal_schemas_written_differently_are_one_spec() -> None:

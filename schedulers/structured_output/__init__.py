@@ -13,6 +13,7 @@ from schedulers.structured_output.spec import (
     GrammarKind,
     GrammarLimits,
     GrammarSpec,
+    check_depth,
     check_spec,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "GrammarKind",
     "GrammarLimits",
     "GrammarSpec",
+    "check_depth",
     "check_spec",
 ]

@@ -5,12 +5,19 @@ takes, holding its worker (and delaying the process's exit). A `CompileProcess` 
 compile in a child forked from a forkserver that has xgrammar (and torch) imported already,
 so a new child is ready in milliseconds, not the seconds a fresh interpreter takes. The
 parent waits at most the deadline; past it, the child is killed and the next compile gets a
-fresh one. The compiled grammar comes back as xgrammar's JSON serialisation and is rebuilt
-against the parent's own `TokenizerInfo`.
+fresh one. The compiled grammar comes back as xgrammar's JSON serialisation (made in the
+child, within the same deadline, and at most `GrammarLimits.max_handback_bytes`) and is
+rebuilt against the parent's own `TokenizerInfo`: the parent never compiles.
 
     process = CompileProcess()
-    reply = process.compile(job, timeout_s)   # None: it overran and was killed
+    reply = process.compile(job, info, timeout_s)   # an Overrun: kill it
     process.kill()
+
+NOTE: the serialisation is 10-100x the grammar's memory and costs more than the compile (a
+2 MiB grammar compiled in 0.05 s serialises to 256 MB in 10 s), so a grammar too large to
+hand back is refused (`TOO_LARGE`), never compiled a second time in the parent, where
+nothing could stop it. A shared-memory or file channel would not help: the cost is the
+serialisation, not the pipe.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection
@@ -41,10 +49,6 @@ from schedulers.structured_output.spec import (
 
 #: how long a child may take to load a tokenizer info (not counted against a compile)
 SETUP_TIMEOUT_S = 60.0
-#: compiled grammars up to this size cross the pipe serialised; larger ones are compiled
-#: again by the parent (serialising is ~4 bytes of JSON per byte at ~15 MB/s: a grammar of
-#: 90 MB took 25 s to serialise and 9 s to rebuild, against 10 s to compile)
-MAX_SERIALIZED_GRAMMAR_BYTES = 1 << 20
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: )?")
 _context_lock = threading.Lock()
 _context: multiprocessing.context.ForkServerContext | None = None
@@ -61,13 +65,48 @@ class CompileJob:
 
 
 @dataclass(frozen=True)
-class CompiledText:
-    """A compiled grammar as it crosses the pipe: xgrammar's serialisation (None: too large
-    to be worth it; the parent compiles it again, in about `compile_s`) and its cost."""
+class Compiled:
+    """The child's notice that a compile ended and its grammar is being serialised."""
 
-    serialized: str | None
     memory_bytes: int
     compile_s: float
+
+
+@dataclass(frozen=True)
+class CompiledText:
+    """A compiled grammar as it crosses the pipe: xgrammar's serialisation and its cost."""
+
+    serialized: str
+    memory_bytes: int
+    compile_s: float
+
+
+@dataclass(frozen=True)
+class Overrun:
+    """The deadline passed while compiling (`compiled` None) or while handing the grammar
+    back (`compiled`: what the child reported); the child is still busy: kill it."""
+
+    compiled: Compiled | None = None
+
+    def error(self, kind: GrammarKind, limits: GrammarLimits) -> GrammarError:
+        timeout_s = limits.compile_timeout_s
+        if self.compiled is None:
+            return GrammarError(
+                GrammarErrorCode.TIMEOUT,
+                f"Compiling the {kind} took longer than the {timeout_s:g} s limit; simplify it.",
+            )
+        why = f"serialising it did not end within the {timeout_s:g} s limit"
+        return too_big_to_hand_back(kind, self.compiled.memory_bytes, why)
+
+
+def too_big_to_hand_back(kind: GrammarKind, memory_bytes: int, why: str) -> GrammarError:
+    """`TOO_LARGE`: a compiled grammar the compile process cannot hand back, and why."""
+    return GrammarError(
+        GrammarErrorCode.TOO_LARGE,
+        f"The compiled {kind} ({memory_bytes / (1 << 20):.1f} MiB) is too large to hand back "
+        f"from the compile process: {why}. Simplify it (fewer optional properties or anyOf "
+        "branches).",
+    )
 
 
 class CompileProcess:
@@ -88,21 +127,32 @@ class CompileProcess:
 
     def compile(
         self, job: CompileJob, tokenizer_info: Any, timeout_s: float
-    ) -> CompiledText | GrammarError | None:
-        """Compile `job` in the child: the result, or None when it ran past `timeout_s`
-        (the child is then dead: call `kill` and use a new one). Raises `EOFError` or
-        `OSError` when the child died or was killed meanwhile (a shutdown)."""
+    ) -> CompiledText | GrammarError | Overrun:
+        """Compile `job` in the child and hand its grammar back within `timeout_s`: the
+        result, or an `Overrun` (the child is still busy: call `kill` and use a new one).
+        Raises `EOFError` or `OSError` when the child died or was killed meanwhile."""
         if job.vocabulary not in self._vocabularies:
             self._conn.send(("info", job.vocabulary, tokenizer_info.serialize_json()))
             if not self._conn.poll(SETUP_TIMEOUT_S):
-                return None
+                return Overrun()
             self._conn.recv()
             self._vocabularies.add(job.vocabulary)
+        deadline = time.monotonic() + timeout_s
         self._conn.send(("compile", job))
-        if not self._conn.poll(timeout_s):
-            return None
+        reply = self._receive(deadline, Overrun())
+        if isinstance(reply, Compiled):  # compiled: now its serialisation, same deadline
+            reply = self._receive(deadline, Overrun(reply))
+        assert not isinstance(reply, Compiled)
+        return reply
+
+    def _receive(
+        self, deadline: float, overrun: Overrun
+    ) -> CompiledText | GrammarError | Compiled | Overrun:
+        """The child's next message, or `overrun` when none came before `deadline`."""
+        if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+            return overrun
         reply = self._conn.recv()
-        assert isinstance(reply, CompiledText | GrammarError)
+        assert isinstance(reply, CompiledText | GrammarError | Compiled)
         return reply
 
     def kill(self) -> None:
@@ -130,11 +180,14 @@ def serve(conn: Connection) -> None:
             conn.send(("ready", vocabulary))
         else:
             job: CompileJob = message[1]
-            conn.send(compile_job(compilers[job.vocabulary], job))
+            conn.send(compile_job(compilers[job.vocabulary], job, conn.send))
 
 
-def compile_job(compiler: Any, job: CompileJob) -> CompiledText | GrammarError:
-    """Check and compile `job.spec` with `compiler` (an xgrammar GrammarCompiler)."""
+def compile_job(
+    compiler: Any, job: CompileJob, notify: Callable[[Compiled], None] = lambda _: None
+) -> CompiledText | GrammarError:
+    """Check and compile `job.spec` with `compiler` (an xgrammar GrammarCompiler), then
+    serialise it; `notify` hears when the compile ended and serialising starts."""
     start = time.perf_counter()
     try:
         problem = check_spec(job.spec, job.limits)
@@ -150,10 +203,24 @@ def compile_job(compiler: Any, job: CompileJob) -> CompiledText | GrammarError:
             GrammarErrorCode.TOO_LARGE,
             f"The compiled grammar takes {memory_bytes >> 20} MiB; the limit is {limit >> 20} MiB.",
         )
-    compile_s = time.perf_counter() - start
-    if memory_bytes > MAX_SERIALIZED_GRAMMAR_BYTES:
-        return CompiledText(None, memory_bytes, compile_s)
-    return CompiledText(handle.serialize_json(), memory_bytes, compile_s)
+    compiled = Compiled(memory_bytes, time.perf_counter() - start)
+    notify(compiled)
+    return handed_back(handle, compiled, job)
+
+
+def handed_back(handle: Any, compiled: Compiled, job: CompileJob) -> CompiledText | GrammarError:
+    """The compiled grammar serialised for the parent, or `TOO_LARGE` past the hand-back
+    limit (the parent would take too long to rebuild it)."""
+    serialized = handle.serialize_json()  # NOTE: counted in characters (nearly all ASCII)
+    limit = job.limits.max_handback_bytes
+    if len(serialized) > limit:
+        why = f"it serialises to {_size(len(serialized))}, over the {_size(limit)} limit"
+        return too_big_to_hand_back(job.spec.kind, compiled.memory_bytes, why)
+    return CompiledText(serialized, compiled.memory_bytes, compiled.compile_s)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.0f} MiB" if num_bytes >= 1 << 20 else f"{num_bytes} bytes"
 
 
 def compile_spec(compiler: Any, spec: GrammarSpec, any_whitespace: bool) -> Any:

@@ -16,10 +16,12 @@ Bounds (a pathological schema never stalls the engine, other requests or the shu
   of one named principal's (an API key's); more resolve to `BUSY` at once, and one that waited
   `queue_timeout_s` for a worker too;
 - a compiled grammar over `limits.max_grammar_bytes` resolves to `TOO_LARGE`.
-The compiled grammar crosses back as xgrammar's JSON serialisation, rebuilt against this
-process's `TokenizerInfo`; one over `MAX_SERIALIZED_GRAMMAR_BYTES` is compiled again by the
-worker thread instead (serialising it would cost more than compiling it; the child's run
-showed it ends within the limit).
+The compiled grammar crosses back as xgrammar's JSON serialisation, made by the child within
+the same deadline and rebuilt against this process's `TokenizerInfo`; one whose serialisation
+is over `limits.max_handback_bytes`, or does not end by the deadline, resolves to `TOO_LARGE`
+(its child killed). Nothing is ever compiled in this process: the only grammar work here is
+the rebuild, bounded by the hand-back limit. A child that dies mid-compile (a crash, a kill)
+resolves to `COMPILE` and its worker takes a fresh one.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from schedulers.structured_output.compile_process import (
     CompiledText,
     CompileJob,
     CompileProcess,
+    Overrun,
     compile_message,
-    compile_spec,
 )
 from schedulers.structured_output.spec import (
     GrammarError,
@@ -321,32 +323,18 @@ class GrammarCompiler:
         info = self._tokenizer_info(vocabulary)
         process = self._thread_process()
         request = CompileJob(job.spec, vocabulary.value, self.any_whitespace, self.limits)
-        reply = process.compile(request, info, self.limits.compile_timeout_s)
-        if reply is None:
+        try:
+            reply = process.compile(request, info, self.limits.compile_timeout_s)
+        except (EOFError, OSError):  # it died: a crash, or close() killed it
             self._replace_process(process)
-            return GrammarError(
-                GrammarErrorCode.TIMEOUT,
-                f"Compiling the {job.spec.kind} took longer than the "
-                f"{self.limits.compile_timeout_s:g} s limit; simplify it.",
-            )
+            why = f"The compile process exited while compiling the {job.spec.kind}."
+            return GrammarError(GrammarErrorCode.COMPILE, why)
+        if isinstance(reply, Overrun):
+            self._replace_process(process)
+            return reply.error(job.spec.kind, self.limits)
         if isinstance(reply, GrammarError):
             return reply
-        if reply.serialized is None:  # large: compiling again (known to end) beats copying
-            handle = compile_spec(self._thread_compiler(vocabulary), job.spec, self.any_whitespace)
-            return CompiledGrammar(job.spec, handle, reply.memory_bytes, reply.compile_s)
         return _rebuilt(job.spec, reply, info)
-
-    def _thread_compiler(self, vocabulary: Vocabulary) -> Any:
-        """This worker's own xgrammar compiler for `vocabulary` (its cache off: ours is)."""
-        compilers: dict[Vocabulary, Any] = self._local.__dict__.setdefault("compilers", {})
-        compiler = compilers.get(vocabulary)
-        if compiler is None:
-            import xgrammar as xgr
-
-            info = self._tokenizer_info(vocabulary)
-            compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            compilers[vocabulary] = compiler
-        return compiler
 
     def _thread_process(self) -> CompileProcess:
         """This worker's compile process (started on first use, or after a kill)."""
@@ -416,7 +404,6 @@ def _rebuilt(spec: GrammarSpec, reply: CompiledText, info: Any) -> CompiledGramm
     """The child's compiled grammar as an xgrammar object of this process."""
     import xgrammar as xgr
 
-    assert reply.serialized is not None
     handle = xgr.CompiledGrammar.deserialize_json(reply.serialized, info)
     return CompiledGrammar(spec, handle, reply.memory_bytes, reply.compile_s)
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-Problem = tuple[Literal["invalid", "unsupported", "too_large"], str]
+Problem = tuple[Literal["invalid", "unsupported", "too_large", "too_deep"], str]
 
 #: the drafts a schema may declare in `$schema` (http or https, with or without a final '#')
 KNOWN_DRAFTS = {
@@ -43,6 +43,11 @@ KNOWN_DRAFTS = {
 }
 #: deepest nesting of subschemas accepted (OpenAI allows 10 levels of objects)
 MAX_SCHEMA_DEPTH = 64
+#: deepest nesting of JSON objects and arrays accepted in a schema or structural tag: what
+#: `MAX_SCHEMA_DEPTH` subschemas under `properties` take (two each), with room for values.
+#: NOTE: checked first, without recursion; everything after it (copies, jsonschema-rs,
+#: xgrammar) may then recurse safely: the stack holds ~2 frames per level
+MAX_JSON_DEPTH = 256
 #: `oneOf` lists no longer than this may be checked pair by pair when grouping cannot tell
 MAX_PAIRWISE_BRANCHES = 16
 #: annotations: they change nothing a grammar accepts (dropped from a spec's normalised form)
@@ -126,10 +131,12 @@ def json_schema_problem(schema: Any) -> Problem | None:
         return "invalid", "A JSON schema must be an object or a boolean."
     if schema is False:
         return "invalid", "The schema `false` matches nothing."
+    if nested_deeper_than(schema, MAX_JSON_DEPTH):
+        return "too_deep", f"The schema nests objects and arrays over {MAX_JSON_DEPTH} levels deep."
     subschemas = list(_subschemas(schema))
     for pointer, node, depth in subschemas:
         if depth > MAX_SCHEMA_DEPTH:
-            return "too_large", f"The schema is nested more than {MAX_SCHEMA_DEPTH} levels deep."
+            return "too_deep", f"The schema nests subschemas over {MAX_SCHEMA_DEPTH} levels deep."
         draft = node.get("$schema")
         if draft is not None and _draft_key(draft) not in KNOWN_DRAFTS:
             return "invalid", f"Unknown '$schema' {draft!r} at {pointer or '/'}."
@@ -149,7 +156,89 @@ def json_schema_problem(schema: Any) -> Problem | None:
         message = _unenforced(node, schema)
         if message is not None:
             return "unsupported", f"Unsupported JSON schema feature at {pointer or '/'}: {message}"
+    empty = _first_matching_nothing(subschemas, schema)
+    if empty is not None:
+        return "invalid", (
+            f"The subschema at {empty or '/'} matches no value: its '$ref' / 'anyOf' / 'oneOf' "
+            "/ 'allOf' lead only back to themselves (give the cycle a branch that is a schema)."
+        )
     return None
+
+
+_ALIASES = ("anyOf", "oneOf", "allOf")  # NOTE: allOf has one schema here (more are refused)
+
+
+def _first_matching_nothing(
+    subschemas: list[tuple[str, dict[str, Any], int]], root: Any
+) -> str | None:
+    """The pointer of a subschema that can match nothing because it only aliases others in a
+    cycle (`{"anyOf": [{"$ref": "#"}]}`), or None. xgrammar compiles such a rule, and the
+    output then reaches a point where no token is allowed.
+
+    Each `$ref`, `anyOf`, `oneOf` and `allOf` of a subschema is a group of alternatives (any
+    member will do); a subschema matches something once each of its groups has a member that
+    does, and one without groups does. A worklist from those: linear in the schema."""
+    unmet: dict[int, int] = {}  # subschema -> its groups without a matching member yet
+    groups: list[tuple[int, list[Any]]] = []  # (the subschema, its members)
+    waiting: dict[int, list[int]] = {}  # member subschema -> the groups it is in
+    for _, node, _ in subschemas:
+        alternatives = _alternatives(node, root)
+        unmet[id(node)] = len(alternatives)
+        for members in alternatives:
+            for member in members:
+                waiting.setdefault(id(member), []).append(len(groups))
+            groups.append((id(node), members))
+    queue = [ident for ident, count in unmet.items() if count == 0]
+    met: set[int] = set()
+
+    def meet(group: int) -> None:
+        if group not in met:
+            met.add(group)
+            owner = groups[group][0]
+            unmet[owner] -= 1
+            if unmet[owner] == 0:
+                queue.append(owner)
+
+    for group, (_, members) in enumerate(groups):
+        if any(_outside(member, unmet) for member in members):
+            meet(group)
+    matching: set[int] = set()
+    while queue:
+        check_budget()
+        ident = queue.pop()
+        if ident not in matching:
+            matching.add(ident)
+            for group in waiting.get(ident, []):
+                meet(group)
+    return next((pointer for pointer, node, _ in subschemas if id(node) not in matching), None)
+
+
+def _outside(member: Any, subschemas: dict[int, int]) -> bool:
+    """Whether an alias member matches something without being one of the subschemas:
+    `true`, or a `$ref` target elsewhere (an unresolved one is refused by other checks)."""
+    return id(member) not in subschemas if isinstance(member, dict) else member is not False
+
+
+def _alternatives(node: dict[str, Any], root: Any) -> list[list[Any]]:
+    """The member lists of `node`'s aliasing keywords (one hop of `$ref`)."""
+    found: list[list[Any]] = []
+    if isinstance(node.get("$ref"), str):
+        found.append([_resolve(node, root, hops=1)])
+    found.extend(node[key] for key in _ALIASES if isinstance(node.get(key), list) and node[key])
+    return found
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests objects and arrays more than `limit` levels deep (the root
+    container is level 1). Iterative: any depth is measured without recursion."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def _draft_key(uri: Any) -> str:

@@ -14,13 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from schedulers.structured_output.schema_support import (
+    MAX_JSON_DEPTH,
     json_schema_problem,
+    nested_deeper_than,
     regex_problem,
     without_annotations,
 )
 
 #: most options a `choice` may list
 MAX_CHOICES = 1024
+#: levels a structural tag may add above the schemas in it (the call format takes 7: tag,
+#: format, elements, element, tags, tag, content), so a tool's `parameters` at the depth
+#: limit still fit in the grammar of the calls
+TAG_DEPTH_ALLOWANCE = 16
 
 
 class GrammarKind(enum.StrEnum):
@@ -39,7 +45,8 @@ class GrammarErrorCode(enum.StrEnum):
 
     INVALID = "invalid_grammar"  # not valid JSON / not a valid JSON schema / malformed spec
     UNSUPPORTED = "unsupported_grammar_feature"  # valid, but the grammar cannot enforce it
-    TOO_LARGE = "grammar_too_large"  # over the size limit (text, or the compiled grammar)
+    TOO_LARGE = "grammar_too_large"  # over a size limit (text, compiled grammar, hand-back)
+    TOO_DEEP = "grammar_too_deep"  # nested deeper than the JSON or subschema depth limit
     TIMEOUT = "grammar_compile_timeout"  # compiling ran past the time limit
     COMPILE = "grammar_compile_error"  # xgrammar refused it while compiling
     BUSY = "grammar_compiler_busy"  # too many compiles in flight; retry later
@@ -49,6 +56,7 @@ _PROBLEM_CODES = {
     "invalid": GrammarErrorCode.INVALID,
     "unsupported": GrammarErrorCode.UNSUPPORTED,
     "too_large": GrammarErrorCode.TOO_LARGE,
+    "too_deep": GrammarErrorCode.TOO_DEEP,
 }
 
 
@@ -70,6 +78,9 @@ class GrammarLimits:
     max_spec_bytes: int = 100_000  # the text of the schema / regex / grammar / tag
     compile_timeout_s: float = 10.0  # wall time of one compile, from when a worker starts it
     max_grammar_bytes: int = 64 << 20  # the compiled grammar's memory
+    #: the compiled grammar as xgrammar serialises it (10-100x its memory), which is how it
+    #: leaves the compile process; the gateway rebuilds it at ~60 MB/s (~0.5 s at the limit)
+    max_handback_bytes: int = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,8 @@ class GrammarSpec:
             value = json.loads(self.text)
         except (ValueError, RecursionError):
             return f"{self.kind}:{self.text}"
+        if check_depth(value, self.kind) is not None:  # refused by check_spec: kept as is
+            return f"{self.kind}:{self.text}"
         if self.kind is GrammarKind.JSON_SCHEMA:
             value = without_annotations(value)
         else:
@@ -146,7 +159,8 @@ class GrammarSpec:
 def check_spec(spec: GrammarSpec, limits: GrammarLimits | None = None) -> GrammarError | None:
     """What is wrong with `spec` before compiling it, or None when it may be compiled.
 
-    Checks the size limit, that JSON parses, that a JSON schema is valid against its
+    Checks the size limit, that JSON parses and nests at most `MAX_JSON_DEPTH` levels deep
+    (before anything that recurses), that a JSON schema is valid against its
     meta-schema and uses only what the grammar enforces (also the schemas inside a
     structural tag), that choices are a non-empty list of strings, and that a regex avoids
     what xgrammar does not implement. xgrammar itself may still refuse a grammar while
@@ -172,12 +186,34 @@ def check_spec(spec: GrammarSpec, limits: GrammarLimits | None = None) -> Gramma
     except ValueError as exc:
         return GrammarError(GrammarErrorCode.INVALID, f"The {spec.kind} is not valid JSON: {exc}")
     except RecursionError:
-        return GrammarError(GrammarErrorCode.TOO_LARGE, f"The {spec.kind} is nested too deeply.")
+        return _too_deep(spec.kind)
+    deep = check_depth(value, spec.kind)  # NOTE: first: the checks below recurse
+    if deep is not None:
+        return deep
     if spec.kind is GrammarKind.CHOICE:
         return _choice_error(value)
     if spec.kind is GrammarKind.JSON_SCHEMA:
         return _schema_error(value, "")
     return _structural_tag_error(value)
+
+
+def check_depth(value: Any, kind: GrammarKind = GrammarKind.JSON_SCHEMA) -> GrammarError | None:
+    """`TOO_DEEP` when JSON `value` nests objects and arrays over `MAX_JSON_DEPTH` levels
+    (a structural tag: `TAG_DEPTH_ALLOWANCE` more). It never recurses: call it on a
+    request's schema before anything that does (copies, `json.dumps`, the checks, xgrammar)."""
+    return _too_deep(kind) if nested_deeper_than(value, _depth_limit(kind)) else None
+
+
+def _depth_limit(kind: GrammarKind) -> int:
+    extra = TAG_DEPTH_ALLOWANCE if kind is GrammarKind.STRUCTURAL_TAG else 0
+    return MAX_JSON_DEPTH + extra
+
+
+def _too_deep(kind: GrammarKind) -> GrammarError:
+    return GrammarError(
+        GrammarErrorCode.TOO_DEEP,
+        f"The {kind} nests objects and arrays over {_depth_limit(kind)} levels deep.",
+    )
 
 
 def _canonical_json(value: Mapping[str, Any] | bool | str) -> str:

@@ -8,9 +8,11 @@ Three spellings reach the same specs:
   text), `regex`, `choice`, `grammar` (EBNF), `json_object: true`, `structural_tag`;
 - the Responses API's `text.format`: `{"type": "text" | "json_object" | "json_schema",
   "name", "schema", "strict"}`.
-Each helper only parses the shape; `check_spec` (run by the compiler, or directly) judges
-the schema itself. `strict` is accepted either way: Carousel always decodes in strict mode
-and refuses what it cannot enforce (docs/structured-outputs.md).
+Each helper only parses the shape, and refuses a schema nested over `MAX_JSON_DEPTH` levels
+(`check_depth`, which never recurses) before anything that does; `check_spec` (run by the
+compiler, or directly) judges the schema itself. `strict` is accepted either way: Carousel
+always decodes in strict mode and refuses what it cannot enforce
+(docs/structured-outputs.md).
 Pure Python: no torch, no xgrammar.
 """
 
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.api.problems import ParamProblem
-from schedulers.structured_output import GrammarSpec
+from schedulers.structured_output import GrammarErrorCode, GrammarKind, GrammarSpec, check_depth
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -51,7 +53,7 @@ def grammar_for_response_format(
             )
         return _json_schema(body, f"{param}.json_schema")
     if kind == "structural_tag" and "format" in response_format:
-        return GrammarSpec.structural_tag(dict(response_format))
+        return _structural_tag(response_format, param)
     return ParamProblem(
         f"{param}.type",
         f"Invalid response_format type {kind!r}: expected 'text', 'json_object' or 'json_schema'.",
@@ -104,14 +106,14 @@ def grammar_for_structured_outputs(
     value = structured_outputs[key]
     where = f"{param}.{key}"
     if key == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                return ParamProblem(where, f"'json' is not valid JSON: {exc}")
+        value = _loads(value, where, key) if isinstance(value, str) else value
+        if isinstance(value, ParamProblem):
+            return value
         if not isinstance(value, Mapping | bool):
             return ParamProblem(where, "'json' must be a JSON schema.")
-        return GrammarSpec.json_schema(value if isinstance(value, bool) else dict(value))
+        return _too_deep(value, where) or GrammarSpec.json_schema(
+            value if isinstance(value, bool) else dict(value)
+        )
     if key == "json_object":
         return GrammarSpec.json_object()
     if key == "choice":
@@ -119,15 +121,12 @@ def grammar_for_structured_outputs(
             return ParamProblem(where, "'choice' must be a list of strings.")
         return GrammarSpec.choice(value)
     if key == "structural_tag":
-        tag = value
-        if isinstance(tag, str):
-            try:
-                tag = json.loads(tag)
-            except ValueError as exc:
-                return ParamProblem(where, f"'structural_tag' is not valid JSON: {exc}")
+        tag = _loads(value, where, key) if isinstance(value, str) else value
+        if isinstance(tag, ParamProblem):
+            return tag
         if not isinstance(tag, Mapping):
             return ParamProblem(where, "'structural_tag' must be an object.")
-        return GrammarSpec.structural_tag(dict(tag))
+        return _structural_tag(tag, where)
     if not isinstance(value, str):
         return ParamProblem(where, f"'{key}' must be a string.")
     return GrammarSpec.regex(value) if key == "regex" else GrammarSpec.grammar(value)
@@ -147,4 +146,29 @@ def _json_schema(body: Mapping[str, Any], where: str) -> GrammarResult:
         return GrammarSpec.json_object()
     if not isinstance(schema, Mapping):
         return ParamProblem(f"{where}.schema", "'schema' must be a JSON schema object.")
-    return GrammarSpec.json_schema(dict(schema))
+    return _too_deep(schema, f"{where}.schema") or GrammarSpec.json_schema(dict(schema))
+
+
+def _structural_tag(tag: Mapping[str, Any], where: str) -> GrammarResult:
+    return _too_deep(tag, where, GrammarKind.STRUCTURAL_TAG) or GrammarSpec.structural_tag(
+        dict(tag)
+    )
+
+
+def _too_deep(
+    value: Any, where: str, kind: GrammarKind = GrammarKind.JSON_SCHEMA
+) -> ParamProblem | None:
+    """A 400 naming `where` when `value` nests too deeply for the checks and the compiler."""
+    error = check_depth(value, kind)
+    return None if error is None else ParamProblem(where, error.message, str(error.code))
+
+
+def _loads(text: str, where: str, key: str) -> Any:
+    """The JSON value of a string field, or a problem naming it (a depth no parser takes
+    included)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return ParamProblem(where, f"'{key}' is nested too deeply.", str(GrammarErrorCode.TOO_DEEP))
+    except ValueError as exc:
+        return ParamProblem(where, f"'{key}' is not valid JSON: {exc}")

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from gateway.api.outputs.tool_parser import TOOL_CALL_BEGIN, TOOL_CALL_END
 from gateway.api.problems import ParamProblem
-from schedulers.structured_output import GrammarKind, GrammarSpec, check_spec
+from schedulers.structured_output import GrammarKind, GrammarSpec, check_depth, check_spec
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 #: most tools one request may declare (OpenAI's limit)
@@ -144,9 +144,9 @@ def check_function(function: Mapping[str, Any], where: str) -> FunctionTool | Pa
     if parameters is not None:
         if not isinstance(parameters, Mapping):
             return ParamProblem(f"{where}.parameters", "'parameters' must be a JSON schema object.")
-        error = check_spec(GrammarSpec.json_schema(parameters))
+        error = check_depth(parameters) or check_spec(GrammarSpec.json_schema(parameters))
         if error is not None:
-            return ParamProblem(f"{where}.parameters", error.message)
+            return ParamProblem(f"{where}.parameters", error.message, str(error.code))
         parameters = dict(parameters)
     return FunctionTool(name, description, parameters)
 
