@@ -1,27 +1,38 @@
-"""Thousands of simulated rollouts: the rollout tests' error rates and exposures, shown.
+"""Thousands of simulated rollouts, with load and users: the tests' error rates, power, exposure.
 
-Each rollout runs the gateway's decision core (gateway/rollout/) on synthetic traffic: TTFT,
-TPOT and e2e latencies with log-normal bodies and a heavy (Pareto) tail, and per-request
-errors. Every step splits its requests between the arms at the step's share; the decision is
-taken at a look after every request; a step that decides nothing in `--step-requests`
-requests holds (the simulator's `max_step_s`).
+Each rollout runs the gateway's decision core (gateway/rollout/: its tests, its units and its
+decision rule) on traffic whose latencies come from engines under load:
 
-Scenarios (the candidate against the baseline):
-- `aa`: identical arms. A false advance is any advance or promotion; a false rollback any
-  rollback. Each should be at most alpha.
-- `faster`: every latency of the candidate 20% lower: it should reach 100%.
-- `errors`: the candidate fails 2% of requests (the baseline none); `slow_ttft`: the
-  candidate's TTFT is 1.5x: each should be rolled back, early (exposure: candidate requests
-  served before the rollback).
-- `aa_bootstrap`: the A/A streams of a 50% split judged both by the sequential test and by
-  `carousel ab report`'s bootstrap verdict (bench/verdict.py) at each of `--bootstrap-looks`
-  looks, stopping on the first significant difference: the inflation the sequential test
-  avoids.
+- Engines. Each compared arm's engine is the real `orca` scheduler on the sim's cost model
+  (backends/sim_plan.py's `simulate`), fed Poisson arrivals at the rate its slice of the traffic
+  gives it (`--rate` times the share of the step's requests it gets, rounded to a grid of rates
+  `RATE_STEP` apart). One long stream is simulated per (engine, rate) and each step reads a
+  window of it at a random offset (wrapping around), so an arm's latencies carry its load and
+  its queue's memory. The candidate's engine and its reference's read two independent streams,
+  and a step holds no more requests than an engine's stream covers (`--stream-requests`;
+  36,000 requests, `--step-requests`, at 5%), so no arm reads its stream twice in a step.
+  `faster` and `slower` candidates run every step 0.8x and 1.3x as long.
+- Users. `--users` users a rollout, each at a uniform point in [0, 1) (as the gateway's hash of
+  `user` gives) with a log-normal factor (sd `--user-sd`) on all its latencies; each request
+  comes from a user drawn uniformly. With `assignment: user` an arm's slice of [0, 1) takes the
+  users whose points fall in it (so with few users an engine's load is lumpy, as it would be),
+  and each user is one sample per step (gateway/rollout/evidence.py); with `assignment:
+  request` each request draws its own point and is dealt at random into one of its arm's open
+  units (`UNIT_SLOTS`), as the gateway deals requests without a user.
+- Topology. `control` (docs/rollout.md): the candidate and a control engine of the baseline's
+  config each take the step's share, and the tests compare them. `baseline`: the candidate
+  against the baseline's own engine at 100 - share, which the gateway now refuses at start-up
+  (gateway/settings/rollout_topology.py); its rows show why.
 
-The simulator pairs the k-th candidate sample of a step with the k-th baseline sample (the
-pair counts from the later arrival); the gateway pairs each candidate with the most recent
-unpaired baseline sample. Both choose by arrival order only, so the paired statistics have
-the same distribution; only when a pair forms differs, by a request or two.
+Scenarios (the candidate against the control): `aa` identical; `faster` each step 0.8x;
+`slower` each step 1.3x; `refusing` identical but answering 429 to the 20% of its requests that
+would wait longest (the highest TTFTs of its stream); `dead` fails every request.
+
+A step that decides nothing in `--step-requests` requests (all arms) holds; a holding step still
+rolls back if a guardrail fires later in it. The simulator pairs the k-th candidate sample of a
+step with the k-th reference sample (the pair counts from the later one); the gateway pairs each
+candidate sample with the most recent unpaired reference sample. Both choose by arrival order
+only, so the paired statistics have the same distribution.
 
     python scripts/rollout_sim.py --rollouts 1000
 """
@@ -29,9 +40,9 @@ the same distribution; only when a pair forms differs, by a request or two.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,20 +50,37 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backends.sim import CostModel  # noqa: E402
+from backends.sim_plan import Workload, simulate  # noqa: E402
 from bench.verdict import METRICS_BY_KEY, RunSample, compare_runs  # noqa: E402
 from gateway.rollout.betting import log_e_value  # noqa: E402
+from gateway.rollout.controller import FAILING_AFTER  # noqa: E402
 from gateway.rollout.decision import Decision, first_decision  # noqa: E402
-from gateway.rollout.evidence import tail_thresholds  # noqa: E402
+from gateway.rollout.evidence import UNIT_SLOTS, tail_thresholds  # noqa: E402
 from gateway.rollout.spec import RolloutSpec, TestSpec, build_spec  # noqa: E402
 from gateway.settings.rollout import RolloutSettings  # noqa: E402
 
 Arrays = dict[str, np.ndarray]
-Draw = Callable[[np.random.Generator, int], Arrays]
-#: the first prefix of a step's stream the tests are computed on (doubled until a decision)
-FIRST_PREFIX = 2000
+FIELDS = ("ttft_ms", "tpot_ms", "e2e_ms")
+#: the first prefix of a step's requests the tests are computed on (doubled until a decision)
+FIRST_PREFIX = 4000
+#: engine rates are rounded to this grid (a factor apart), so streams can be shared
+RATE_STEP = 1.25
+#: each engine kind's cost per step, relative to the baseline's
+ENGINE_COST = {"same": 1.0, "faster": 0.8, "slower": 1.3}
+SCENARIOS = {
+    "aa": "same",
+    "faster": "faster",
+    "slower": "slower",
+    "refusing": "same",
+    "dead": "same",
+}
+#: the share of its requests a `refusing` candidate answers 429: those that would wait longest
+REFUSED_SHARE = 0.20
 
 DEFAULT_SETTINGS = RolloutSettings(
     baseline="baseline",
+    control="control",
     candidate="candidate",
     steps=[5, 25, 50, 100],
     metric="ttft_p50",
@@ -63,82 +91,292 @@ DEFAULT_SETTINGS = RolloutSettings(
 )
 
 
-def traffic(ttft_scale: float = 1.0, tpot_scale: float = 1.0, error_rate: float = 0.0) -> Draw:
-    """Requests with log-normal latencies, 3% of them in a Pareto(1.5) tail (x 1 to ~10+)."""
+class Engines:
+    """Long request streams of one engine kind at one rate, simulated once and kept (in
+    memory, and under `cache` when given: a stream is a pure function of its key)."""
 
-    def draw(rng: np.random.Generator, n: int) -> Arrays:
-        tail = np.where(rng.random(n) < 0.03, 1 + rng.pareto(1.5, n), 1.0)
-        ttft = rng.lognormal(np.log(200.0), 0.5, n) * tail * ttft_scale
-        tpot = rng.lognormal(np.log(20.0), 0.3, n) * tpot_scale
-        out_tokens = rng.integers(16, 256, n)
-        e2e = ttft + tpot * out_tokens
-        error = (rng.random(n) < error_rate).astype(float)
-        failed = error > 0
-        for values in (ttft, tpot, e2e):
-            values[failed] = np.nan
-        return {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e, "error": error}
+    def __init__(self, total_rate: float, stream_requests: int, cache: Path | None = None) -> None:
+        self.total_rate = total_rate
+        self.stream_requests = stream_requests
+        self.cache = cache
+        self._streams: dict[tuple[str, float, int], Arrays] = {}
 
-    return draw
+    def rate_of(self, share: float) -> float:
+        """The grid rate nearest to `share` of the total (in log space)."""
+        rate = max(share, 1e-4) * self.total_rate
+        return float(RATE_STEP ** np.round(np.log(rate) / np.log(RATE_STEP)))
+
+    def stream(self, kind: str, share: float, engine: int = 0) -> Arrays:
+        """The stream of engine number `engine` of this kind at this share (the candidate's
+        engine and its reference's are two engines: independent streams, never one read at
+        two offsets)."""
+        key = (kind, self.rate_of(share), engine)
+        if key not in self._streams:
+            self._streams[key] = self._cached(*key)
+        return self._streams[key]
+
+    def _cached(self, kind: str, rate: float, engine: int) -> Arrays:
+        if self.cache is None:
+            return self._simulate(kind, rate, engine)
+        suffix = f"-e{engine}" if engine else ""
+        path = self.cache / f"{kind}-{rate:.6g}-{self.stream_requests}{suffix}.npz"
+        if path.exists():
+            with np.load(path) as saved:
+                return {name: saved[name] for name in saved.files}
+        arrays = self._simulate(kind, rate, engine)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, **arrays)
+        return arrays
+
+    def _simulate(self, kind: str, rate: float, engine: int) -> Arrays:
+        scale = ENGINE_COST[kind]
+        base = CostModel()
+        cost = dataclasses.replace(
+            base,
+            fixed_s=base.fixed_s * scale,
+            per_token_s=base.per_token_s * scale,
+            per_context_token_s=base.per_context_token_s * scale,
+        )
+        workload = Workload(
+            rate=rate,
+            num_requests=self.stream_requests,
+            prompt_tokens=(32, 512),
+            output_median=64,
+            output_sigma=0.8,
+            max_tokens=256,
+            seed=int(rate * 1000) + 7 + 7919 * engine,
+        )
+        result = simulate("orca", cost, 4096, workload.requests(), max_tokens=256, max_num_seqs=32)
+        timings = result.timings
+        out = {
+            "ttft_ms": np.asarray([t.ttft_s for t in timings]) * 1000,
+            "tpot_ms": np.asarray([t.tpot_s for t in timings]) * 1000,
+            "e2e_ms": np.asarray([t.e2e_s for t in timings]) * 1000,
+        }
+        out["refused"] = out["ttft_ms"] > np.nanquantile(out["ttft_ms"], 1 - REFUSED_SHARE)
+        return out
 
 
-SCENARIOS: dict[str, Draw] = {
-    "aa": traffic(),
-    "faster": traffic(ttft_scale=0.8, tpot_scale=0.8),
-    "errors": traffic(error_rate=0.02),
-    "slow_ttft": traffic(ttft_scale=1.5),
-}
+@dataclass(frozen=True)
+class Population:
+    """A rollout's users: their points in [0, 1) and their latency factors."""
+
+    points: np.ndarray  # (U,)
+    factors: np.ndarray  # (U,)
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator, users: int, sd: float) -> Population:
+        return cls(rng.random(users), rng.lognormal(0.0, sd, users))
+
+
+@dataclass(frozen=True)
+class Design:
+    """What is simulated: the candidate's scenario, the topology and the split's unit."""
+
+    scenario: str
+    topology: str = "control"  # or "baseline"
+    assignment: str = "user"  # or "request"
+    users: int = 1000
+    #: the tests' unit: "user" (a user's first requests of the step, on each arm) or
+    #: "request"; None: the assignment's own
+    unit: str | None = None
+
+    @property
+    def unit_kind(self) -> str:
+        return self.unit or self.assignment
 
 
 @dataclass
-class StepStream:
-    """One step's requests: who served each, and each arm's samples in arrival order."""
+class StepTraffic:
+    """One step's requests to the two compared arms, in arrival order."""
 
+    position: np.ndarray  # (n,) index among all the step's requests (all arms)
     candidate: np.ndarray  # (n,) bool
-    base: Arrays
-    cand: Arrays
+    unit: np.ndarray  # (n,) the sample each request counts for
+    values: Arrays  # each field (n,), NaN where not measured; "error" 0/1
 
-    @classmethod
-    def draw(cls, rng: np.random.Generator, share: float, n: int, candidate: Draw) -> StepStream:
-        is_candidate = rng.random(n) < share
-        num_c = int(is_candidate.sum())
-        return cls(is_candidate, SCENARIOS["aa"](rng, n - num_c), candidate(rng, num_c))
-
-    def prefix(self, n: int) -> StepStream:
-        """The step's first `n` requests (every statistic is causal: the same looks)."""
-        num_c = int(self.candidate[:n].sum())
-        base = {k: v[: n - num_c] for k, v in self.base.items()}
-        return StepStream(self.candidate[:n], base, {k: v[:num_c] for k, v in self.cand.items()})
+    def prefix(self, n: int) -> StepTraffic:
+        return StepTraffic(
+            self.position[:n],
+            self.candidate[:n],
+            self.unit[:n],
+            {k: v[:n] for k, v in self.values.items()},
+        )
 
 
-def step_log_e(spec: RolloutSpec, stream: StepStream) -> dict[str, np.ndarray]:
-    """Per test, its log e-value after each request of the step (a look after every one)."""
-    n = stream.candidate.size
-    base_pos = np.flatnonzero(~stream.candidate)
-    cand_pos = np.flatnonzero(stream.candidate)
-    return {t.name: _test_log_e(t, stream, base_pos, cand_pos, n) for t in spec.tests}
+def slices(design: Design, share: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(candidate, reference) slices of [0, 1): the candidate's last, as the gateway orders."""
+    candidate = (1 - share, 1.0)
+    if design.topology == "control":
+        return candidate, (max(0.0, 1 - 2 * share), 1 - share)
+    return candidate, (0.0, 1 - share)
 
 
-def _test_log_e(
-    test: TestSpec, stream: StepStream, base_pos: np.ndarray, cand_pos: np.ndarray, n: int
-) -> np.ndarray:
-    b_all, c_all = stream.base[test.field], stream.cand[test.field]
-    b_ok, c_ok = np.isfinite(b_all), np.isfinite(c_all)
-    b, c, pb, pc = b_all[b_ok], c_all[c_ok], base_pos[b_ok], cand_pos[c_ok]
-    if test.kind == "paired":
-        k = min(b.size, c.size)
-        x = test.statistic(b[:k], c[:k])
-        at = np.maximum(pb[:k], pc[:k])
+def draw_step(
+    rng: np.random.Generator,
+    design: Design,
+    population: Population,
+    share: float,
+    requests: int,
+    engines: Engines,
+    per_unit: int = DEFAULT_SETTINGS.requests_per_unit,
+) -> StepTraffic:
+    """The step's `requests` (all arms), kept for the two compared arms."""
+    users = rng.integers(0, population.points.size, requests)
+    by_user = design.assignment == "user"
+    points = population.points[users] if by_user else rng.random(requests)
+    (c_lo, c_hi), (r_lo, r_hi) = slices(design, share)
+    is_cand = (points >= c_lo) & (points < c_hi)
+    is_ref = (points >= r_lo) & (points < r_hi)
+    kept = np.flatnonzero(is_cand | is_ref)
+    candidate = is_cand[kept]
+    values = {name: np.full(kept.size, np.nan) for name in FIELDS}
+    values["error"] = np.zeros(kept.size)
+    kind = SCENARIOS[design.scenario]
+    for is_candidate, mask, engine in ((True, candidate, kind), (False, ~candidate, "same")):
+        count = int(mask.sum())
+        if count == 0:
+            continue
+        stream = engines.stream(engine, count / requests, 0 if is_candidate else 1)
+        at = (rng.integers(0, stream["ttft_ms"].size) + np.arange(count)) % stream["ttft_ms"].size
+        factor = population.factors[users[kept[mask]]]
+        for name in FIELDS:
+            values[name][mask] = stream[name][at] * factor
+        failed = np.isnan(stream["e2e_ms"][at])
+        failed |= _scenario_failures(design.scenario, stream, at, is_candidate)
+        values["error"][mask] = failed
+    failed = values["error"] > 0
+    for name in FIELDS:
+        values[name][failed] = np.nan
+    if design.unit_kind == "user":
+        unit = users[kept]
     else:
-        thresholds = tail_thresholds(b)
-        seen = np.searchsorted(pb, pc)  # baseline samples before each candidate sample
-        threshold = np.where(seen > 0, thresholds[np.maximum(seen - 1, 0)], np.nan)
-        scored = np.isfinite(threshold)
-        x = test.statistic(threshold[scored], c[scored])
-        at = pc[scored]
+        unit = slot_units(rng, candidate, population.points.size, per_unit)
+    return StepTraffic(kept, candidate, unit, values)
+
+
+def slot_units(
+    rng: np.random.Generator, candidate: np.ndarray, first_id: int, per_unit: int
+) -> np.ndarray:
+    """Each request's unit when it has no user (the gateway's StepObserver): dealt at random
+    into one of its arm's `UNIT_SLOTS` open units; a slot opens a new unit once its unit has
+    `per_unit` requests."""
+    out = np.empty(candidate.size, dtype=np.int64)
+    next_id = first_id
+    for arm in (True, False):
+        positions = np.flatnonzero(candidate == arm)
+        slots = rng.integers(0, UNIT_SLOTS, positions.size)
+        ids = np.arange(UNIT_SLOTS) + next_id
+        next_id += UNIT_SLOTS
+        fill = np.zeros(UNIT_SLOTS, dtype=int)
+        for position, slot in zip(positions.tolist(), slots.tolist(), strict=True):
+            out[position] = ids[slot]
+            fill[slot] += 1
+            if fill[slot] == per_unit:
+                ids[slot], fill[slot] = next_id, 0
+                next_id += 1
+    return out
+
+
+def _scenario_failures(
+    scenario: str, stream: Arrays, at: np.ndarray, is_candidate: bool
+) -> np.ndarray:
+    if not is_candidate or scenario not in ("refusing", "dead"):
+        return np.zeros(at.size, dtype=bool)
+    if scenario == "dead":
+        return np.ones(at.size, dtype=bool)
+    return stream["refused"][at]
+
+
+def unit_samples(
+    traffic: StepTraffic, mask: np.ndarray, per_unit: int, tails: Arrays
+) -> tuple[np.ndarray, Arrays]:
+    """The samples of one arm's units: (their completion index into the traffic, each
+    field's value: geometric means, error shares, tail shares). A unit completes at its
+    `per_unit`-th request of the step; a unit that never does is no sample."""
+    idx = np.flatnonzero(mask)
+    if idx.size == 0:
+        return np.zeros(0, dtype=int), {}
+    ids, compact = np.unique(traffic.unit[idx], return_inverse=True)
+    order = np.lexsort((idx, compact))
+    start = np.r_[True, compact[order][1:] != compact[order][:-1]]
+    first = np.maximum.accumulate(np.where(start, np.arange(idx.size), 0))
+    rank = np.empty(idx.size, dtype=int)
+    rank[order] = np.arange(idx.size) - first
+    kept = rank < per_unit
+    done = rank == per_unit - 1
+    completes = np.full(ids.size, -1)
+    completes[compact[done]] = idx[done]
+    units = np.flatnonzero(completes >= 0)
+    units = units[np.argsort(completes[units], kind="stable")]
+    out: Arrays = {}
+    for name, values in (*traffic.values.items(), *tails.items()):
+        v = values[idx]
+        ok = kept & np.isfinite(v)
+        v = np.log(v) if name in FIELDS else v
+        total = np.bincount(compact[ok], weights=v[ok], minlength=ids.size)
+        count = np.bincount(compact[ok], minlength=ids.size)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = total / count
+        out[name] = (np.exp(mean) if name in FIELDS else mean)[units]
+    return completes[units], out
+
+
+def step_log_e(spec: RolloutSpec, traffic: StepTraffic, per_unit: int) -> dict[str, np.ndarray]:
+    """Per test, its log e-value after each request of the traffic (a look after every one)."""
+    n = traffic.candidate.size
+    ref_mask, cand_mask = ~traffic.candidate, traffic.candidate
+    tails = {t.name: _tail_statistic(t, traffic) for t in spec.tests if t.kind == "tail"}
+    ref_at, ref = unit_samples(traffic, ref_mask, per_unit, {})
+    cand_at, cand = unit_samples(traffic, cand_mask, per_unit, tails)
+    out = {}
+    for test in spec.tests:
+        if test.kind == "paired":
+            x, at = _paired(test, ref_at, ref, cand_at, cand)
+        else:
+            shares = cand.get(test.name, np.zeros(0))
+            ok = np.isfinite(shares)
+            x, at = shares[ok], cand_at[ok]
+        out[test.name] = _looks(test, x, at, n)
+    return out
+
+
+def _tail_statistic(test: TestSpec, traffic: StepTraffic) -> np.ndarray:
+    """Each candidate request's tail statistic against the reference's running p99 (NaN:
+    no threshold yet, or not a candidate request)."""
+    values = traffic.values[test.field]
+    ref_pos = np.flatnonzero(~traffic.candidate & np.isfinite(values))
+    out = np.full(values.size, np.nan)
+    if ref_pos.size == 0:
+        return out
+    thresholds = tail_thresholds(values[ref_pos])
+    seen = np.searchsorted(ref_pos, np.arange(values.size))  # reference samples before each
+    threshold = np.where(seen > 0, thresholds[np.maximum(seen - 1, 0)], np.nan)
+    scored = traffic.candidate & np.isfinite(threshold) & np.isfinite(values)
+    out[scored] = test.statistic(threshold[scored], values[scored])
+    return out
+
+
+def _paired(
+    test: TestSpec, ref_at: np.ndarray, ref: Arrays, cand_at: np.ndarray, cand: Arrays
+) -> tuple[np.ndarray, np.ndarray]:
+    if test.field not in ref or test.field not in cand:
+        return np.zeros(0), np.zeros(0, dtype=int)
+    b_ok, c_ok = np.isfinite(ref[test.field]), np.isfinite(cand[test.field])
+    b, pb = ref[test.field][b_ok], ref_at[b_ok]
+    c, pc = cand[test.field][c_ok], cand_at[c_ok]
+    k = min(b.size, c.size)
+    return test.statistic(b[:k], c[:k]), np.maximum(pb[:k], pc[:k])
+
+
+def _looks(test: TestSpec, x: np.ndarray, at: np.ndarray, n: int) -> np.ndarray:
+    """The test's log e-value after each of the `n` requests, from statistics `x` counted
+    at request `at` (sorted)."""
     if x.size == 0:
         return np.zeros(n)
-    log_e = log_e_value(np.cumsum(test.test.increments(x), axis=0))
-    last = np.searchsorted(at, np.arange(n), side="right") - 1
+    order = np.argsort(at, kind="stable")
+    log_e = log_e_value(np.cumsum(test.test.increments(x[order]), axis=0))
+    last = np.searchsorted(at[order], np.arange(n), side="right") - 1
     return np.where(last >= 0, log_e[np.maximum(last, 0)], 0.0)
 
 
@@ -148,28 +386,36 @@ class Outcome:
 
     final: str  # "promoted" | "rolled_back" | "held"
     advanced: bool = False
-    requests_per_step: list[int] = field(default_factory=list)  # requests each passed step took
+    requests_per_step: list[int] = field(default_factory=list)  # all arms, each passed step
     exposure: int = 0  # candidate requests served before the end
 
 
-def simulate(
-    rng: np.random.Generator, spec: RolloutSpec, candidate: Draw, step_requests: int
+def simulate_rollout(
+    rng: np.random.Generator,
+    spec: RolloutSpec,
+    design: Design,
+    engines: Engines,
+    step_requests: int,
+    user_sd: float,
 ) -> Outcome:
     """One rollout, step by step, until promoted, rolled back, or holding."""
+    population = Population.draw(rng, design.users, user_sd)
+    per_unit = spec.settings.requests_per_unit
     outcome = Outcome("held")
     carried: dict[str, float] = {}
     for share in spec.settings.steps[:-1]:
-        whole = StepStream.draw(rng, share / 100, step_requests, candidate)
-        _, n_b, n_c, log_e, decision = _first_decision_of(spec, whole, carried)
+        whole = draw_step(rng, design, population, share / 100, step_requests, engines, per_unit)
+        step = _first_decision_of(spec, whole, carried, per_unit)
+        traffic, n_c, log_e, decision = step
         end = decision.index if decision is not None else n_c.size - 1
-        outcome.exposure += int(n_c[end])
+        outcome.exposure += int(n_c[end]) if n_c.size else 0
         if decision is None or decision.kind == "hold":
             return outcome
         if decision.kind == "rollback":
             outcome.final = "rolled_back"
             return outcome
         outcome.advanced = True
-        outcome.requests_per_step.append(decision.index + 1)
+        outcome.requests_per_step.append(int(traffic.position[decision.index]) + 1)
         if decision.kind == "promote":
             break
         for test in spec.of_role("guardrail"):
@@ -179,25 +425,44 @@ def simulate(
 
 
 def _first_decision_of(
-    spec: RolloutSpec, whole: StepStream, carried: dict[str, float]
-) -> tuple[StepStream, np.ndarray, np.ndarray, dict[str, np.ndarray], Decision | None]:
-    """The step's first decision, computed on growing prefixes of its stream (cheap when it
-    comes early; the same as on the whole stream, since every statistic is causal)."""
-    size = min(FIRST_PREFIX, whole.candidate.size)
+    spec: RolloutSpec, whole: StepTraffic, carried: dict[str, float], per_unit: int
+) -> tuple[StepTraffic, np.ndarray, dict[str, np.ndarray], Decision | None]:
+    """The step's first decision, computed on growing prefixes of its traffic (cheap when it
+    comes early; the same as on the whole, since every statistic is causal)."""
+    total = whole.candidate.size
+    size = min(FIRST_PREFIX, total)
     while True:
-        stream = whole.prefix(size)
-        log_e = step_log_e(spec, stream)
-        n_c = np.cumsum(stream.candidate)
+        traffic = whole.prefix(size)
+        log_e = step_log_e(spec, traffic, per_unit)
+        n_c = np.cumsum(traffic.candidate)
         n_b = np.arange(1, n_c.size + 1) - n_c
         decision = first_decision(spec, n_b, n_c, log_e, carried=carried)
+        failing = failing_index(traffic)
+        if failing is not None and (decision is None or failing < decision.index):
+            decision = Decision("rollback", "candidate_failing", failing)
+        if decision is None and size == total and total:
+            decision = Decision("hold", "max_step_s", total - 1)
         if decision is not None and decision.kind == "hold":
             decision = _rollback_while_holding(spec, n_b, n_c, log_e, carried, decision)
-            if decision.kind == "hold" and size < whole.candidate.size:
-                size = min(2 * size, whole.candidate.size)  # a later rollback may still come
+            if decision.kind == "hold" and size < total:
+                size = min(2 * size, total)  # a later rollback may still come
                 continue
-        if decision is not None or size == whole.candidate.size:
-            return stream, n_b, n_c, log_e, decision
-        size = min(2 * size, whole.candidate.size)
+        if decision is not None or size == total:
+            return traffic, n_c, log_e, decision
+        size = min(2 * size, total)
+
+
+def failing_index(traffic: StepTraffic) -> int | None:
+    """The first request after which the candidate's last `FAILING_AFTER` requests all failed
+    (the controller's failing-arm rule). Its other half, the other rollout arms' last as many
+    all succeeded, holds here from the start: the baseline (not simulated request by
+    request) is a healthy engine taking most of the traffic."""
+    error = traffic.values["error"][traffic.candidate] > 0
+    if error.size < FAILING_AFTER:
+        return None
+    window = np.convolve(error.astype(int), np.ones(FAILING_AFTER, dtype=int))[: error.size]
+    hit = np.flatnonzero(window == FAILING_AFTER)
+    return int(np.flatnonzero(traffic.candidate)[hit[0]]) if hit.size else None
 
 
 def _rollback_while_holding(
@@ -211,42 +476,111 @@ def _rollback_while_holding(
     """A holding step still rolls back if a guardrail fires later in it."""
     guards = {t.name: log_e[t.name] for t in spec.of_role("guardrail")}
     later = first_decision(spec, n_b, n_c, guards, carried=carried)
-    if later is not None and later.kind == "rollback" and later.index > hold.index:
+    if later is not None and later.kind == "rollback" and later.index >= hold.index:
         return later
     return Decision("hold", hold.reason, n_c.size - 1)
 
 
-def bootstrap_aa(
-    rng: np.random.Generator, spec: RolloutSpec, requests: int, looks: int, resamples: int
-) -> tuple[bool, bool, bool, bool]:
-    """One A/A stream at a 50% split: (bootstrap advance, bootstrap rollback, sequential
-    advance, sequential rollback), the bootstrap verdict on p50 TTFT at `looks` looks."""
-    stream = StepStream.draw(rng, 0.5, requests, SCENARIOS["aa"])
-    n_c = np.cumsum(stream.candidate)
+def step_aa(
+    rng: np.random.Generator,
+    spec: RolloutSpec,
+    design: Design,
+    share: float,
+    engines: Engines,
+    step_requests: int,
+    user_sd: float,
+) -> tuple[bool, bool]:
+    """One A/A step at `share`, run to its end: (advanced, rolled back). A rollout's A/A
+    rarely leaves its first step, so each step is checked here on its own, at its load."""
+    population = Population.draw(rng, design.users, user_sd)
+    per_unit = spec.settings.requests_per_unit
+    # NOTE: no more requests than an engine's stream holds, so no arm reads its stream twice
+    requests = min(step_requests, int(0.9 * engines.stream_requests * 100 / share))
+    traffic = draw_step(rng, design, population, share / 100, requests, engines, per_unit)
+    log_e = step_log_e(spec, traffic, per_unit)
+    n_c = np.cumsum(traffic.candidate)
     n_b = np.arange(1, n_c.size + 1) - n_c
-    decision = first_decision(spec, n_b, n_c, step_log_e(spec, stream))
+    advanced = first_decision(
+        spec, n_b, n_c, {t.name: log_e[t.name] for t in spec.of_role("target")}
+    )
+    guards = {t.name: log_e[t.name] for t in spec.of_role("guardrail")}
+    rolled_back = first_decision(spec, n_b, n_c, guards)
+    return advanced is not None, rolled_back is not None
+
+
+def step_rows(
+    rng: np.random.Generator, spec: RolloutSpec, engines: Engines, args: argparse.Namespace
+) -> list[str]:
+    """A/A at each deciding step on its own: the false advance (the target's test reaching
+    1/alpha once both arms have `min_requests`) and false rollback (a guardrail reaching k/alpha)
+    anywhere in the step."""
+    rows = [
+        f"A/A, each deciding step on its own ({args.step_rollouts} steps each, of "
+        f"{args.step_requests} requests or as many as an engine's stream of "
+        f"{args.stream_requests} covers): false advance / false rollback",
+        "",
+        "| step | assignment / unit | users | false advance | false rollback |",
+        "|---|---|---|---|---|",
+    ]
+    kinds = [Design("aa", users=u) for u in args.users]
+    kinds.append(Design("aa", assignment="request", users=max(args.users)))
+    for share in spec.settings.steps[:-1]:
+        for design in kinds:
+            results = np.asarray(
+                [
+                    step_aa(rng, spec, design, share, engines, args.step_requests, args.user_sd)
+                    for _ in range(args.step_rollouts)
+                ]
+            )
+            advance, rollback = results.mean(axis=0)
+            rows.append(
+                f"| {share:g}% | {design.assignment} / {design.unit_kind} | {design.users} | "
+                f"{advance:.3f} | {rollback:.3f} |"
+            )
+    return rows
+
+
+def bootstrap_aa(
+    rng: np.random.Generator,
+    spec: RolloutSpec,
+    engines: Engines,
+    requests: int,
+    looks: int,
+    resamples: int,
+) -> tuple[bool, bool, bool, bool]:
+    """One A/A step at 50/50 (per-request assignment): (bootstrap advance, bootstrap
+    rollback, sequential advance, sequential rollback), the bootstrap verdict (`carousel ab
+    report`'s) on p50 TTFT at `looks` looks, stopping at the first significant one."""
+    design = Design("aa", topology="baseline", assignment="request", users=1000)
+    population = Population.draw(rng, design.users, 0.0)
+    traffic = draw_step(rng, design, population, 0.5, requests, engines)
+    n_c = np.cumsum(traffic.candidate)
+    n_b = np.arange(1, n_c.size + 1) - n_c
+    decision = first_decision(
+        spec, n_b, n_c, step_log_e(spec, traffic, spec.settings.requests_per_unit)
+    )
     seq_advance = decision is not None and decision.kind in ("advance", "promote")
     seq_rollback = decision is not None and decision.kind == "rollback"
     spec_p50 = METRICS_BY_KEY["ttft_p50"]
-    for look in np.linspace(requests / looks, requests, looks).astype(int):
-        nb, nc = int(n_b[look - 1]), int(n_c[look - 1])
-        if min(nb, nc) < spec.settings.min_requests:
+    ttft = traffic.values["ttft_ms"]
+    for look in np.linspace(n_c.size / looks, n_c.size, looks).astype(int):
+        base, cand = ttft[:look][~traffic.candidate[:look]], ttft[:look][traffic.candidate[:look]]
+        if min(base.size, cand.size) < spec.settings.min_requests:
             continue
-        base, cand = _run_sample(stream.base, nb), _run_sample(stream.cand, nc)
         entry = compare_runs(
-            "baseline", [base], "candidate", [cand], slo_active=False, rng=rng,
-            num_resamples=resamples, paired=False, metrics=[spec_p50],
+            "baseline", [_run_sample(base)], "candidate", [_run_sample(cand)],
+            slo_active=False, rng=rng, num_resamples=resamples, paired=False,
+            metrics=[spec_p50],
         )[0]  # fmt: skip
         if entry["significant"]:
             return bool(entry["better"]), not entry["better"], seq_advance, seq_rollback
     return False, False, seq_advance, seq_rollback
 
 
-def _run_sample(arrays: Arrays, n: int) -> RunSample:
-    nan = np.full(n, np.nan)
+def _run_sample(ttft: np.ndarray) -> RunSample:
+    nan = np.full(ttft.size, np.nan)
     empty = np.zeros(0)
-    ttft = arrays["ttft_ms"][:n]
-    return RunSample(ttft, nan, nan, np.zeros(n), nan, empty, empty.astype(int), None)
+    return RunSample(ttft, nan, nan, np.zeros(ttft.size), nan, empty, empty.astype(int), None)
 
 
 def _median_p90(values: list[int]) -> str:
@@ -255,43 +589,74 @@ def _median_p90(values: list[int]) -> str:
     return f"{np.median(values):.0f} / {np.percentile(values, 90):.0f}"
 
 
-def report(args: argparse.Namespace, spec: RolloutSpec) -> list[str]:
-    """The table of rates and exposures (Markdown), one row per scenario."""
-    rng = np.random.default_rng(args.seed)
-    rows = [
-        "| scenario | rollouts | advanced | promoted | rolled back | held | requests to each "
-        "step (median) | exposure at rollback (median / p90) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name in args.scenarios:
-        outcomes = [
-            simulate(rng, spec, SCENARIOS[name], args.step_requests) for _ in range(args.rollouts)
+def designs(args: argparse.Namespace) -> list[Design]:
+    """The table's rows: every scenario at every user count in the documented topology,
+    then the same per request, and A/A against the baseline's own engine (refused now).
+    `--today`: instead, the design before issue 48 (the baseline's own engine, every request
+    a sample) on the same traffic, for the cost in requests."""
+    if args.today:
+        return [
+            Design(s, topology="baseline", assignment="request", users=max(args.users))
+            for s in args.scenarios
         ]
-        share = {k: np.mean([o.final == k for o in outcomes]) for k in ("promoted", "rolled_back")}
-        held = np.mean([o.final == "held" for o in outcomes])
-        advanced = np.mean([o.advanced for o in outcomes])
-        per_step = [
-            np.median([o.requests_per_step[i] for o in outcomes if len(o.requests_per_step) > i])
-            for i in range(len(spec.settings.steps) - 1)
-            if any(len(o.requests_per_step) > i for o in outcomes)
-        ]
-        steps = ", ".join(f"{s:.0f}" for s in per_step) or "-"
-        exposure = _median_p90([o.exposure for o in outcomes if o.final == "rolled_back"])
-        rows.append(
-            f"| {name} | {len(outcomes)} | {advanced:.3f} | {share['promoted']:.3f} | "
-            f"{share['rolled_back']:.3f} | {held:.3f} | {steps} | {exposure} |"
-        )
-    if args.bootstrap_rollouts:
-        rows += ["", *bootstrap_rows(rng, spec, args)]
+    rows = [Design(s, users=u) for s in args.scenarios for u in args.users]
+    rows += [Design(s, assignment="request", users=max(args.users)) for s in args.scenarios]
+    rows += [Design("aa", topology="baseline", users=max(args.users))]
     return rows
 
 
+def report(args: argparse.Namespace, spec: RolloutSpec) -> list[str]:
+    """The table of rates and exposures (Markdown), one row per design."""
+    rng = np.random.default_rng(args.seed)
+    engines = Engines(args.rate, args.stream_requests, args.cache)
+    rows = [
+        "| scenario | topology | assignment / unit | users | rollouts | advanced | promoted | "
+        "rolled back | held | rolled back of those exposed | requests to each step (median) | "
+        "exposure at rollback (median / p90) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for design in designs(args):
+        outcomes = [
+            simulate_rollout(rng, spec, design, engines, args.step_requests, args.user_sd)
+            for _ in range(args.rollouts)
+        ]
+        rows.append(_row(spec, design, outcomes))
+    if args.step_rollouts:
+        rows += ["", *step_rows(rng, spec, engines, args)]
+    if args.bootstrap_rollouts:
+        rows += ["", *bootstrap_rows(rng, spec, engines, args)]
+    return rows
+
+
+def _row(spec: RolloutSpec, design: Design, outcomes: list[Outcome]) -> str:
+    share = {k: np.mean([o.final == k for o in outcomes]) for k in ("promoted", "rolled_back")}
+    held = np.mean([o.final == "held" for o in outcomes])
+    advanced = np.mean([o.advanced for o in outcomes])
+    per_step = [
+        np.median([o.requests_per_step[i] for o in outcomes if len(o.requests_per_step) > i])
+        for i in range(len(spec.settings.steps) - 1)
+        if any(len(o.requests_per_step) > i for o in outcomes)
+    ]
+    steps = ", ".join(f"{s:.0f}" for s in per_step) or "-"
+    exposure = _median_p90([o.exposure for o in outcomes if o.final == "rolled_back"])
+    exposed = [o.final == "rolled_back" for o in outcomes if o.exposure > 0]
+    of_exposed = f"{np.mean(exposed):.3f}" if exposed else "-"
+    unit = f"{design.assignment} / {design.unit_kind}"
+    return (
+        f"| {design.scenario} | {design.topology} | {unit} | {design.users} | {len(outcomes)} | "
+        f"{advanced:.3f} | {share['promoted']:.3f} | {share['rolled_back']:.3f} | {held:.3f} | "
+        f"{of_exposed} | {steps} | {exposure} |"
+    )
+
+
 def bootstrap_rows(
-    rng: np.random.Generator, spec: RolloutSpec, args: argparse.Namespace
+    rng: np.random.Generator, spec: RolloutSpec, engines: Engines, args: argparse.Namespace
 ) -> list[str]:
     results = np.asarray(
         [
-            bootstrap_aa(rng, spec, args.bootstrap_requests, args.bootstrap_looks, args.resamples)
+            bootstrap_aa(
+                rng, spec, engines, args.bootstrap_requests, args.bootstrap_looks, args.resamples
+            )
             for _ in range(args.bootstrap_rollouts)
         ]
     )
@@ -312,7 +677,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rollouts", type=int, default=1000)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--users", type=int, nargs="+", default=[20, 100, 1000, 10000])
+    parser.add_argument("--user-sd", type=float, default=0.3)
+    parser.add_argument("--rate", type=float, default=8.0, help="all arms' requests per second")
     parser.add_argument("--step-requests", type=int, default=36_000)
+    parser.add_argument("--stream-requests", type=int, default=8000)
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "carousel" / "rollout_sim",
+        help="where the engines' simulated streams are kept between runs",
+    )
+    parser.add_argument("--requests-per-unit", type=int, default=5)
+    parser.add_argument(
+        "--today",
+        action="store_true",
+        help="the rows of the design before issue 48 instead (baseline engine, per request)",
+    )
+    parser.add_argument("--step-rollouts", type=int, default=1000)
     parser.add_argument("--bootstrap-rollouts", type=int, default=200)
     parser.add_argument("--bootstrap-requests", type=int, default=3000)
     parser.add_argument("--bootstrap-looks", type=int, default=30)
@@ -324,7 +706,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.monotonic()
-    spec = build_spec(DEFAULT_SETTINGS)
+    settings = DEFAULT_SETTINGS.model_copy(update={"requests_per_unit": args.requests_per_unit})
+    spec = build_spec(settings)
     print("\n".join(report(args, spec)))
     print(f"\n({time.monotonic() - began:.1f} s, seed {args.seed})")
     return 0

@@ -32,11 +32,13 @@ from gateway.settings.load import Settings
 from gateway.settings.rollout import RolloutSettings
 from tests.conftest import serve_app, sim_arm
 
+#: one request a unit: the controller's mechanics, request by request
 ROLLOUT = RolloutSettings(
     baseline="orca",
     candidate="sjf",
     guardrails={"error_rate": 0.005, "ttft_p99": 0.10, "tpot_p50": 0.10},
     min_requests=50,
+    requests_per_unit=1,
 )
 
 
@@ -307,9 +309,10 @@ def test_a_control_arm_carries_the_candidates_share() -> None:
 
 def test_resume_carries_the_held_steps_guardrail_evidence() -> None:
     rollout, _ = controller()
-    for _ in range(30):  # a candidate that fails: guardrail evidence, short of a rollback
+    for i in range(60):  # a candidate failing every other request: evidence, short of rollback
         rollout.observe("orca", {"ttft_ms": 100.0, "e2e_ms": 200.0, "error": 0.0})
-        rollout.observe("sjf", {"error": 1.0})
+        ok = {"ttft_ms": 100.0, "e2e_ms": 200.0, "error": 0.0}
+        rollout.observe("sjf", {"error": 1.0} if i % 2 else ok)
         if rollout.store.tally(0).log_e("guardrail_error_rate") > 1.0:
             break
     rollout.command("pause")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
 from gateway.rollout.betting import MeanTest, log_e_value
 from gateway.rollout.decision import decide
 from gateway.rollout.evidence import (
+    UNIT_SLOTS,
     StepObserver,
     TailReference,
     Tally,
@@ -17,11 +20,13 @@ from gateway.rollout.evidence import (
 from gateway.rollout.spec import build_spec
 from gateway.settings.rollout import RolloutSettings
 
+#: one request a unit: these tests check the tests' mechanics request by request
 SETTINGS = RolloutSettings(
     baseline="orca",
     candidate="sjf",
     guardrails={"error_rate": 0.005, "ttft_p99": 0.10, "tpot_p50": 0.10},
     min_requests=100,
+    requests_per_unit=1,
 )
 
 
@@ -172,7 +177,7 @@ def test_arm_refusals_and_failures_are_errors_and_client_mistakes_count_for_noth
 
 
 def test_a_user_is_one_sample_per_step_however_many_requests_it_sends() -> None:
-    settings = SETTINGS.model_copy(update={"requests_per_user": 3})
+    settings = SETTINGS.model_copy(update={"requests_per_unit": 3})
     observer = StepObserver(build_spec(settings))
     tally = Tally()
     for i in range(10):  # one heavy user: its first three requests are its one sample
@@ -208,3 +213,17 @@ def test_a_candidate_worse_on_the_target_itself_is_rolled_back() -> None:
     decision = decide(spec, 400, 400, log_e, 1.0)
     assert decision is not None and decision.kind == "rollback"
     assert decision.reason == "regression_ttft_p50"
+
+
+def test_requests_without_a_user_are_dealt_into_units_spread_over_the_arms_stream() -> None:
+    settings = SETTINGS.model_copy(update={"requests_per_unit": 5})
+    observer = StepObserver(build_spec(settings), random.Random(0))
+    tally = Tally()
+    for i in range(5 * UNIT_SLOTS):  # each unit gets its 5 requests from far apart
+        tally.merge(observer.observe("candidate", {"ttft_ms": 100.0 + i, "error": 0.0}))
+    # 250 requests dealt into 50 open units: only the units dealt 5 have a sample yet
+    assert 0 < tally.units["candidate"] < UNIT_SLOTS
+    for i in range(50 * UNIT_SLOTS):
+        tally.merge(observer.observe("candidate", {"ttft_ms": 100.0 + i, "error": 0.0}))
+    # every unit is scored once it has its 5 requests, and a slot then opens a new one
+    assert tally.units["candidate"] == pytest.approx(51 * UNIT_SLOTS / 5, abs=UNIT_SLOTS)

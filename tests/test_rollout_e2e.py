@@ -5,7 +5,8 @@ one slowed by a larger `--sim-time-scale`. A 3x slower candidate is rolled back 
 guardrail; with the speeds swapped the candidate wins on TTFT and is promoted.
 
 The rollout block is sized so a decision needs tens of requests, not thousands (why the
-earlier attempt with the example's block never decided in 80 s): steps [50, 100] (the
+earlier attempt with the example's block never decided in 80 s): one request a unit
+(`requests_per_unit: 1`; the default deals requests into 50 open units of 5), steps [50, 100] (the
 candidate gets half the traffic at once, and one advance is the promotion), a *paired* TTFT
 p50 guardrail rather than a p99 one (a tail guardrail scores no candidate request before the
 baseline has 500 samples in the step, gateway/rollout/evidence.py), and a small
@@ -64,6 +65,7 @@ rollout:
   metric: ttft_p50
   guardrails: {{error_rate: 0.05, ttft_p50: 0.10}}
   min_requests: 20
+  requests_per_unit: 1
   alpha: 0.05
 """
 
@@ -231,6 +233,7 @@ def _control_rollout(
             "metric": "ttft_p50",
             "guardrails": {"error_rate": 0.05, "ttft_p50": 0.10},
             "min_requests": 20,
+            "requests_per_unit": 1,
         },
     )
     with ExitStack() as stack:

@@ -38,6 +38,7 @@ def test_unstreamed_replies_decide_an_e2e_target_on_upstream_arms() -> None:
                 "metric": "e2e_p50",
                 "guardrails": {"error_rate": 0.05, "e2e_p50": 0.10},
                 "min_requests": 20,
+                "requests_per_unit": 1,
             },
         )
         url = stack.enter_context(serve_app(create_app(settings)))

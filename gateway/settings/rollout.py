@@ -51,8 +51,10 @@ class RolloutSettings(BaseModel):
     control: str | None = None
     #: what the split randomises: a user (sticky, by the `user` field) or each request
     assignment: Literal["user", "request"] = "user"
-    #: with `assignment: user`, a user's first this-many requests of a step are its one sample
-    requests_per_user: int = Field(5, ge=1, le=100)
+    #: the requests summarised into a unit's one sample: a user's first this-many of a step
+    #: (a request without `user`, or any under `assignment: request`: this many drawn at
+    #: random from its arm's stream; gateway/rollout/evidence.py)
+    requests_per_unit: int = Field(5, ge=1, le=100)
     steps: list[float] = Field(default=[5, 25, 50, 100], min_length=1)
     metric: Literal["ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50", "goodput"] = "ttft_p50"
     guardrails: dict[str, float] = Field(default_factory=lambda: {"error_rate": 0.005})
