@@ -8,17 +8,18 @@ decision rule) on traffic whose latencies come from engines under load:
   gives it (`--rate` times the share of the step's requests it gets, rounded to a grid of rates
   `RATE_STEP` apart). One long stream is simulated per (engine, rate) and each step reads a
   window of it at a random offset (wrapping around), so an arm's latencies carry its load and
-  its queue's memory. The candidate's engine and its reference's read two independent streams,
-  and a step holds no more requests than an engine's stream covers (`--stream-requests`;
-  36,000 requests, `--step-requests`, at 5%), so no arm reads its stream twice in a step.
+  its queue's memory. The candidate's engine and its reference's read windows that do not
+  overlap (when they read one stream), at fresh offsets every step, and a step holds no more
+  requests than a third of a stream covers per arm (`--stream-requests`; 36,000 requests,
+  `--step-requests`, at 5%), so every step compares two fresh stretches of engine life.
   `faster` and `slower` candidates run every step 0.8x and 1.3x as long.
 - Users. `--users` users a rollout, each at a uniform point in [0, 1) (as the gateway's hash of
   `user` gives) with a log-normal factor (sd `--user-sd`) on all its latencies; each request
   comes from a user drawn uniformly. With `assignment: user` an arm's slice of [0, 1) takes the
   users whose points fall in it (so with few users an engine's load is lumpy, as it would be),
   and each user is one sample per step (gateway/rollout/evidence.py); with `assignment:
-  request` each request draws its own point and is dealt at random into one of its arm's open
-  units (`UNIT_SLOTS`), as the gateway deals requests without a user.
+  request` each request draws its own point, and the step's compared requests form blocks
+  (`BLOCK_PER_UNIT` times `requests_per_unit`), as the gateway's requests without a user do.
 - Topology. `control` (docs/rollout.md): the candidate and a control engine of the baseline's
   config each take the step's share, and the tests compare them. `baseline`: the candidate
   against the baseline's own engine at 100 - share, which the gateway now refuses at start-up
@@ -56,7 +57,7 @@ from bench.verdict import METRICS_BY_KEY, RunSample, compare_runs  # noqa: E402
 from gateway.rollout.betting import log_e_value  # noqa: E402
 from gateway.rollout.controller import FAILING_AFTER  # noqa: E402
 from gateway.rollout.decision import Decision, first_decision  # noqa: E402
-from gateway.rollout.evidence import UNIT_SLOTS, tail_thresholds  # noqa: E402
+from gateway.rollout.evidence import BLOCK_PER_UNIT, tail_thresholds  # noqa: E402
 from gateway.rollout.spec import RolloutSpec, TestSpec, build_spec  # noqa: E402
 from gateway.settings.rollout import RolloutSettings  # noqa: E402
 
@@ -107,9 +108,7 @@ class Engines:
         return float(RATE_STEP ** np.round(np.log(rate) / np.log(RATE_STEP)))
 
     def stream(self, kind: str, share: float, engine: int = 0) -> Arrays:
-        """The stream of engine number `engine` of this kind at this share (the candidate's
-        engine and its reference's are two engines: independent streams, never one read at
-        two offsets)."""
+        """The stream of this kind of engine at this share (`engine`: another realisation)."""
         key = (kind, self.rate_of(share), engine)
         if key not in self._streams:
             self._streams[key] = self._cached(*key)
@@ -233,12 +232,14 @@ def draw_step(
     values = {name: np.full(kept.size, np.nan) for name in FIELDS}
     values["error"] = np.zeros(kept.size)
     kind = SCENARIOS[design.scenario]
-    for is_candidate, mask, engine in ((True, candidate, kind), (False, ~candidate, "same")):
+    arms = ((True, candidate, kind), (False, ~candidate, "same"))
+    offsets = _window_offsets(rng, engines, [(e, int(m.sum()) / requests) for _, m, e in arms])
+    for (is_candidate, mask, engine), offset in zip(arms, offsets, strict=True):
         count = int(mask.sum())
         if count == 0:
             continue
-        stream = engines.stream(engine, count / requests, 0 if is_candidate else 1)
-        at = (rng.integers(0, stream["ttft_ms"].size) + np.arange(count)) % stream["ttft_ms"].size
+        stream = engines.stream(engine, count / requests)
+        at = (offset + np.arange(count)) % stream["ttft_ms"].size
         factor = population.factors[users[kept[mask]]]
         for name in FIELDS:
             values[name][mask] = stream[name][at] * factor
@@ -251,31 +252,32 @@ def draw_step(
     if design.unit_kind == "user":
         unit = users[kept]
     else:
-        unit = slot_units(rng, candidate, population.points.size, per_unit)
+        unit = block_units(candidate.size, population.points.size, per_unit)
     return StepTraffic(kept, candidate, unit, values)
 
 
-def slot_units(
-    rng: np.random.Generator, candidate: np.ndarray, first_id: int, per_unit: int
-) -> np.ndarray:
-    """Each request's unit when it has no user (the gateway's StepObserver): dealt at random
-    into one of its arm's `UNIT_SLOTS` open units; a slot opens a new unit once its unit has
-    `per_unit` requests."""
-    out = np.empty(candidate.size, dtype=np.int64)
-    next_id = first_id
-    for arm in (True, False):
-        positions = np.flatnonzero(candidate == arm)
-        slots = rng.integers(0, UNIT_SLOTS, positions.size)
-        ids = np.arange(UNIT_SLOTS) + next_id
-        next_id += UNIT_SLOTS
-        fill = np.zeros(UNIT_SLOTS, dtype=int)
-        for position, slot in zip(positions.tolist(), slots.tolist(), strict=True):
-            out[position] = ids[slot]
-            fill[slot] += 1
-            if fill[slot] == per_unit:
-                ids[slot], fill[slot] = next_id, 0
-                next_id += 1
-    return out
+def block_units(count: int, first_id: int, per_unit: int) -> np.ndarray:
+    """Each compared request's unit when it has no user (the gateway's StepObserver): its
+    block of `BLOCK_PER_UNIT * per_unit` consecutive compared requests."""
+    return np.arange(count) // (BLOCK_PER_UNIT * per_unit) + first_id
+
+
+def _window_offsets(
+    rng: np.random.Generator, engines: Engines, arms: list[tuple[str, float]]
+) -> list[int]:
+    """Where each arm's window starts in its engine's stream. Two arms that read one stream
+    (the same engine at the same rate) read windows that do not overlap, at random offsets:
+    every step compares two fresh stretches of the engine's life, never the same two
+    realisations again (which would turn sampling noise into a fixed difference)."""
+    size = engines.stream_requests
+    (kind_c, share_c), (kind_r, share_r) = arms
+    first = int(rng.integers(0, size))
+    if (kind_c, engines.rate_of(share_c)) != (kind_r, engines.rate_of(share_r)):
+        return [first, int(rng.integers(0, size))]
+    count_c = round(share_c * size)  # an upper bound of the windows' lengths, in requests
+    count_r = round(share_r * size)
+    spare = max(1, size - count_c - count_r)
+    return [first, (first + count_c + int(rng.integers(0, spare))) % size]
 
 
 def _scenario_failures(
@@ -404,7 +406,8 @@ def simulate_rollout(
     outcome = Outcome("held")
     carried: dict[str, float] = {}
     for share in spec.settings.steps[:-1]:
-        whole = draw_step(rng, design, population, share / 100, step_requests, engines, per_unit)
+        requests = min(step_requests, int(engines.stream_requests * 100 / (3 * share)))
+        whole = draw_step(rng, design, population, share / 100, requests, engines, per_unit)
         step = _first_decision_of(spec, whole, carried, per_unit)
         traffic, n_c, log_e, decision = step
         end = decision.index if decision is not None else n_c.size - 1
@@ -495,7 +498,7 @@ def step_aa(
     population = Population.draw(rng, design.users, user_sd)
     per_unit = spec.settings.requests_per_unit
     # NOTE: no more requests than an engine's stream holds, so no arm reads its stream twice
-    requests = min(step_requests, int(0.9 * engines.stream_requests * 100 / share))
+    requests = min(step_requests, int(engines.stream_requests * 100 / (3 * share)))
     traffic = draw_step(rng, design, population, share / 100, requests, engines, per_unit)
     log_e = step_log_e(spec, traffic, per_unit)
     n_c = np.cumsum(traffic.candidate)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
 from gateway.rollout.betting import MeanTest, log_e_value
 from gateway.rollout.decision import decide
 from gateway.rollout.evidence import (
-    UNIT_SLOTS,
+    BLOCK_PER_UNIT,
     StepObserver,
     TailReference,
     Tally,
@@ -114,7 +112,7 @@ def test_failed_requests_count_for_the_error_guardrail_only() -> None:
     for _ in range(200):
         tally.merge(observer.observe("reference", {"ttft_ms": 100.0, "error": 0.0}))
         tally.merge(observer.observe("candidate", {"error": 1.0}))
-    assert tally.n["guardrail_error_rate"] == 200
+    assert tally.n["guardrail_error_rate"] == min(tally.units.values()) > 100
     assert "target" not in tally.n
     assert tally.log_e("guardrail_error_rate") > spec.log_threshold("guardrail")
 
@@ -215,15 +213,15 @@ def test_a_candidate_worse_on_the_target_itself_is_rolled_back() -> None:
     assert decision.reason == "regression_ttft_p50"
 
 
-def test_requests_without_a_user_are_dealt_into_units_spread_over_the_arms_stream() -> None:
-    settings = SETTINGS.model_copy(update={"requests_per_unit": 5})
-    observer = StepObserver(build_spec(settings), random.Random(0))
+def test_requests_without_a_user_form_blocks_with_one_sample_an_arm_each() -> None:
+    settings = SETTINGS.model_copy(update={"requests_per_unit": 2})
+    observer = StepObserver(build_spec(settings))
     tally = Tally()
-    for i in range(5 * UNIT_SLOTS):  # each unit gets its 5 requests from far apart
-        tally.merge(observer.observe("candidate", {"ttft_ms": 100.0 + i, "error": 0.0}))
-    # 250 requests dealt into 50 open units: only the units dealt 5 have a sample yet
-    assert 0 < tally.units["candidate"] < UNIT_SLOTS
-    for i in range(50 * UNIT_SLOTS):
-        tally.merge(observer.observe("candidate", {"ttft_ms": 100.0 + i, "error": 0.0}))
-    # every unit is scored once it has its 5 requests, and a slot then opens a new one
-    assert tally.units["candidate"] == pytest.approx(51 * UNIT_SLOTS / 5, abs=UNIT_SLOTS)
+    size = BLOCK_PER_UNIT * 2  # a block: 6 requests of both arms
+    arms = ["reference", "candidate"] * (5 * size // 2)  # 5 blocks, 3 requests an arm each
+    for i, arm in enumerate(arms):
+        tally.merge(observer.observe(arm, {"ttft_ms": 100.0 + i, "error": 0.0}))  # type: ignore[arg-type]
+    # each block gives each arm one sample, its first 2 requests there; the third counts in n
+    assert tally.units == {"reference": 5, "candidate": 5}
+    assert tally.requests == {"reference": 15, "candidate": 15}
+    assert tally.n["target"] == 5

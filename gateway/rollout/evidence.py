@@ -17,16 +17,17 @@ the *reference* (the rollout's control arm, else its baseline) and the *candidat
   each is on, and every paired null below is exact whatever the users' own effects (the proof
   the request-level tests lacked: a few users' effects persist through a whole step).
 - Requests without a user (a request without `user`, or any under `assignment: request`):
-  an engine's state (its queue, its batch) persists from one request to the next, so two
-  engines' consecutive latencies are predictable from their recent past even when the
-  engines do not differ, and a test on consecutive requests rejects a true null too often
-  under load (scripts/rollout_sim.py: identical engines at a 50% step, 8 req/s, one request
-  a sample: a false `tpot_p50` rollback in 23% of steps). So such requests are dealt at
-  random into `UNIT_SLOTS` open units per arm; a unit's sample is the summary of its first
-  `requests_per_unit` requests, spread over the time its arm takes to serve about
-  `UNIT_SLOTS * requests_per_unit` requests, and the slot then opens a new unit. The deal
-  depends on a random draw only, never on a value. This is not a proof: it brings the
-  measured false rates back to alpha (docs/rollout.md) where one request a sample did not.
+  an engine's queue and batch carry over from one request to the next, and both arms see one
+  arrival process, so two engines' latencies drift with the load they share and with their
+  own queues' memory; scored one request a sample, a test detects that drift even when the
+  engines do not differ (scripts/rollout_sim.py: identical engines at a 50% step, 8 req/s, one
+  request a sample: false advances and rollbacks in 17-23% of steps). So such requests form
+  *blocks*: the step's compared requests, as this replica completes them, cut into blocks of
+  `BLOCK_PER_UNIT * requests_per_unit`; in each block each arm's first `requests_per_unit`
+  requests are that arm's one sample. The candidate's and the reference's samples of one block
+  come from the same stretch of time, so the load they shared cancels in their pair, and
+  blocks are far enough apart for the engines' memory to fade. This is a measured remedy, not
+  a proof: the false rates return to alpha in the simulator (docs/rollout.md).
 - Pairing (paired tests): per field, candidate samples wait in arrival order; each is paired
   with the most recent unpaired reference sample (older unpaired ones are dropped when more
   than `PAIR_BUFFER` wait). The choice depends on arrival order only, never on values, so
@@ -40,7 +41,6 @@ the *reference* (the rollout's control arm, else its baseline) and the *candidat
 from __future__ import annotations
 
 import math
-import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -56,8 +56,9 @@ TAIL_REFRESH = 250
 TAIL_MIN_SAMPLES = 500
 #: users followed in one step by one replica; a further user's requests are not scored
 MAX_UNITS = 200_000
-#: open units per arm that requests without a user are dealt into (at random)
-UNIT_SLOTS = 50
+#: a block of requests without a user spans this many times `requests_per_unit` compared
+#: requests (both arms)
+BLOCK_PER_UNIT = 3
 #: a client that went away (gateway/context.py's CLIENT_CLOSED; the rollout imports only
 #: the settings, tests/test_layering.py)
 CLIENT_CLOSED = 499
@@ -217,11 +218,10 @@ def tail_thresholds(base: np.ndarray) -> np.ndarray:
 class StepObserver:
     """One replica's view of a step: completed requests in, tally increments out."""
 
-    def __init__(self, spec: RolloutSpec, rng: random.Random | None = None) -> None:
+    def __init__(self, spec: RolloutSpec) -> None:
         self.spec = spec
-        self._rng = rng or random.Random()
-        #: per arm, each slot's current unit (bumped when the slot's unit is scored)
-        self._slots: dict[Role, list[int]] = {role: [0] * UNIT_SLOTS for role in ROLES}
+        #: requests without a user seen in the step (both arms): their block is this // size
+        self._anonymous = 0
         fields = {t.field for t in spec.tests if t.kind == "paired"}
         self._ref: dict[str, deque[float]] = {f: deque(maxlen=PAIR_BUFFER) for f in fields}
         self._cand: dict[str, deque[float]] = {f: deque(maxlen=PAIR_BUFFER) for f in fields}
@@ -235,12 +235,16 @@ class StepObserver:
 
     def observe(self, arm: Role, sample: Sample, unit: str | None = None) -> Tally:
         """The tally increment of one completed request of `arm`; `unit`: the user it counts
-        for (None: dealt into one of the arm's open units at random)."""
+        for (None: its block's, see the module docstring)."""
         tally = Tally()
         tally.requests[arm] += 1
         tails = self._tail_statistics(arm, sample)
-        slot = None if unit is not None else self._rng.randrange(UNIT_SLOTS)
-        key = (arm, f"u:{unit}" if slot is None else f"#{slot}.{self._slots[arm][slot]}")
+        if unit is None:
+            block = self._anonymous // (BLOCK_PER_UNIT * self.requests_per_unit)
+            self._anonymous += 1
+            key = (arm, f"#{block}")
+        else:
+            key = (arm, f"u:{unit}")
         if key in self._scored:
             return tally
         summary = self._units.get(key)
@@ -251,10 +255,7 @@ class StepObserver:
         summary.add(sample, tails)
         if summary.requests >= self.requests_per_unit:
             del self._units[key]
-            if slot is None:
-                self._scored.add(key)
-            else:  # the slot opens a new unit
-                self._slots[arm][slot] += 1
+            self._scored.add(key)
             self._score(tally, arm, summary)
         return tally
 

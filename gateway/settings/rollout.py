@@ -52,8 +52,8 @@ class RolloutSettings(BaseModel):
     #: what the split randomises: a user (sticky, by the `user` field) or each request
     assignment: Literal["user", "request"] = "user"
     #: the requests summarised into a unit's one sample: a user's first this-many of a step
-    #: (a request without `user`, or any under `assignment: request`: this many drawn at
-    #: random from its arm's stream; gateway/rollout/evidence.py)
+    #: (requests without `user`, or any under `assignment: request`: an arm's first this-many
+    #: in each block of the step's requests; gateway/rollout/evidence.py)
     requests_per_unit: int = Field(5, ge=1, le=100)
     steps: list[float] = Field(default=[5, 25, 50, 100], min_length=1)
     metric: Literal["ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50", "goodput"] = "ttft_p50"
