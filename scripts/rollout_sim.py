@@ -594,14 +594,7 @@ def _median_p90(values: list[int]) -> str:
 
 def designs(args: argparse.Namespace) -> list[Design]:
     """The table's rows: every scenario at every user count in the documented topology,
-    then the same per request, and A/A against the baseline's own engine (refused now).
-    `--today`: instead, the design before issue 48 (the baseline's own engine, every request
-    a sample) on the same traffic, for the cost in requests."""
-    if args.today:
-        return [
-            Design(s, topology="baseline", assignment="request", users=max(args.users))
-            for s in args.scenarios
-        ]
+    then the same per request, and A/A against the baseline's own engine (refused now)."""
     rows = [Design(s, users=u) for s in args.scenarios for u in args.users]
     rows += [Design(s, assignment="request", users=max(args.users)) for s in args.scenarios]
     rows += [Design("aa", topology="baseline", users=max(args.users))]
@@ -692,11 +685,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the engines' simulated streams are kept between runs",
     )
     parser.add_argument("--requests-per-unit", type=int, default=5)
-    parser.add_argument(
-        "--today",
-        action="store_true",
-        help="the rows of the design before issue 48 instead (baseline engine, per request)",
-    )
     parser.add_argument("--step-rollouts", type=int, default=1000)
     parser.add_argument("--bootstrap-rollouts", type=int, default=200)
     parser.add_argument("--bootstrap-requests", type=int, default=3000)
