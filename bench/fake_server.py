@@ -30,6 +30,7 @@ class _Seq:
     request_id: str
     remaining: int
     tokens: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
+    token: str = " tok"  # what each step emits for it
 
 
 class ToyEngine:
@@ -66,7 +67,7 @@ class ToyEngine:
         batch = list(self.running)
         for seq in batch:
             seq.remaining -= 1
-            seq.tokens.put_nowait(" tok")
+            seq.tokens.put_nowait(seq.token)
             if seq.remaining <= 0:
                 seq.tokens.put_nowait(None)
                 self.running.remove(seq)
@@ -102,6 +103,9 @@ class FakeOptions:
     #: the bodies of the bench's probe requests (header X-Carousel-Bench: probe), kept out of
     #: `seen` and the failure counters: they are not the workload
     probes: list[dict[str, Any]] = field(default_factory=list)
+    #: per arm, every k-th request of it answers " other" tokens instead of " tok" (answers
+    #: that differ from another arm's; by default every arm answers every prompt alike)
+    answer_changes: dict[str, int] = field(default_factory=dict)
 
 
 def _sse(obj: Any) -> str:
@@ -147,6 +151,9 @@ def make_app(opts: FakeOptions, seen: list[dict[str, Any]]) -> FastAPI:
             return JSONResponse({"error": error}, status_code=500)
         rid = f"req-{arm}-{counters[arm]}"
         seq = _Seq(len(seen), rid, int(body["max_tokens"]))
+        every = opts.answer_changes.get(arm, 0)
+        if every and counters[arm] % every == 0:
+            seq.token = " other"
         engine(arm).add(seq)
         return StreamingResponse(
             _stream(seq, rid, len(_prompt(body, chat).split()), chat, body),

@@ -47,6 +47,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bench.answers import agreement_sentence, answer_agreement
 from bench.comparison import bench_comparison, verdict_markdown
 from bench.metrics import compute_metrics, error_counts, prefix_cache_summary, tpot
 from bench.runner import BenchConfig, BenchResult, RunRecord, arm_name, rate_label
@@ -103,6 +104,17 @@ def _comparison(cfg: BenchConfig, result: BenchResult) -> list[dict[str, Any]]:
     return comparison
 
 
+def _identical_answers(
+    cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
+) -> list[dict[str, Any]]:
+    """Per rate and arm, the share of greedy answers equal to the baseline's (bench/answers.py)."""
+    entries = answer_agreement(result, cfg.arms, specs, first_repeat_only=cfg.multi_turn > 1)
+    return [
+        {**entry, "rate": json_rate(entry["rate"]), "sentence": agreement_sentence(entry)}
+        for entry in entries
+    ]
+
+
 def build_report(
     cfg: BenchConfig,
     specs: list[RequestSpec],
@@ -154,6 +166,7 @@ def build_report(
         },
         "runs": runs,
         "comparison": comparison,
+        "identical_answers": _identical_answers(cfg, specs, result),
         "ratios": _ratios([run for run in runs if run["repeat"] == 0]),
         "files": {
             "report_md": "report.md",
@@ -440,10 +453,20 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report["notes"]:
         lines += ["## Notes", ""] + [f"- {note}" for note in report["notes"]] + [""]
     lines += verdict_markdown(report["comparison"], _rate)
+    lines += _answers_markdown(report.get("identical_answers", []))
     for name in report["files"].get("verdict_plots", []):
         caption = "Each metric's difference from the first arm, with its 95% interval"
         lines += [f"**{caption}** (`{name}`)", "", f"![{caption}]({name})", ""]
     return "\n".join(lines)
+
+
+def _answers_markdown(entries: list[dict[str, Any]]) -> list[str]:
+    """report.md's "Identical greedy answers" (bench/answers.py; docs/bench.md)."""
+    if not entries:
+        return []
+    lines = ["## Identical greedy answers", ""]
+    lines += [f"- @ {_rate(e['rate'])} req/s: {e['sentence']}" for e in entries]
+    return [*lines, ""]
 
 
 def _headline(entries: list[dict[str, Any]]) -> list[str]:

@@ -103,6 +103,18 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def answer_lines(report: dict[str, Any]) -> list[str]:
+    """Per rate and candidate arm: the share of its greedy answers equal to the baseline's."""
+    entries = report.get("identical_answers", [])
+    return [f"@ {_rate(e['rate'])} req/s: {e['sentence']}" for e in entries]
+
+
 def terminal_lines(report: dict[str, Any], notes: list[str]) -> list[str]:
-    """Everything the bench prints after its runs: the results, the verdict, `notes`."""
-    return [*results_block(report), *verdict_lines(report), *(f"note: {n}" for n in notes)]
+    """Everything the bench prints after its runs: the results, the verdict, the identical
+    greedy answers, `notes`."""
+    return [
+        *results_block(report),
+        *verdict_lines(report),
+        *answer_lines(report),
+        *(f"note: {n}" for n in notes),
+    ]

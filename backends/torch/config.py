@@ -23,6 +23,11 @@ no CUDA graphs (cuda_graphs.py; vLLM's flag): every step runs eager.
 `quantization` (vLLM's spelling): `auto`, `gguf`, `int8`, `none`; weight-only quantised
 copies of the linears for small steps (quantization.py); `quantization_max_rows`: the most
 rows a step may have to take them (None: measured at load).
+`batch_invariant` (vLLM's `VLLM_BATCH_INVARIANT`): a sequence's logits never depend on what else
+is in its step: every linear takes Carousel's packed kernel at any row count (no int4 / bf16
+or packed / `F.linear` switch by the step's rows), and attention computes each token as a
+decode over its own context (no prefill / decode or chunking split); CPU with Carousel's
+kernels only, `quantization` `auto` serving `none` (docs/batch-invariance.md).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class TorchBackendConfig:
     tensor_parallel_size: int = 1
     quantization: str = AUTO
     quantization_max_rows: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -74,6 +80,12 @@ class TorchBackendConfig:
             raise ValueError(
                 f"compile cannot honour quantization {self.quantization!r}: the compiled layer "
                 "calls the full-precision linears; drop one of them"
+            )
+        conflicts = self.conflicts_with_batch_invariance()
+        if self.batch_invariant and conflicts:
+            raise ValueError(
+                f"batch_invariant cannot be honoured with {', '.join(conflicts)}: those paths "
+                "choose their kernels by the step's rows (docs/batch-invariance.md); drop one"
             )
         unhonoured = self.unsupported_by_tensor_parallel()
         if self.tensor_parallel_size > 1 and unhonoured:
@@ -93,3 +105,15 @@ class TorchBackendConfig:
         if self.quantization in QUANTIZED:
             names.append("quantization")
         return names
+
+    def conflicts_with_batch_invariance(self) -> list[str]:
+        """The settings given here that `batch_invariant` cannot run with."""
+        named = {
+            "quantization": self.quantization in QUANTIZED,
+            "compile": self.compile,
+            "tensor_parallel_size": self.tensor_parallel_size > 1,
+            "cpu_kernels": not self.cpu_kernels,
+            "prepack_weights": not self.prepack_weights,
+            "attention_backend": self.attention_backend not in (AUTO, "cpu_paged"),
+        }
+        return [name for name, conflicts in named.items() if conflicts]

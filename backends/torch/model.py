@@ -41,6 +41,7 @@ from backends.torch.packed import (
     cached_linear,
     forget_gate_up,
     fusable_gate_up,
+    invariant_plan,
     pack_plan,
 )
 from backends.torch.quantization import NONE, quantize_linears, resolve_mode
@@ -164,7 +165,12 @@ class PagedCausalLM:
         self.device = weight.device
         plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels)
         plan = plan if config.prepack_weights else None
+        if config.batch_invariant:  # one kernel for every row count (packed.py)
+            plan = invariant_plan(plan)
         self.dense_kernels = _dense_kernels(hf_model) if cpu_kernels else None
+        if config.batch_invariant and self.dense_kernels is None:
+            # torch's own norms may split a row's sum across threads when rows are few
+            raise ValueError("batch_invariant needs Carousel's CPU kernels for this model's ops")
         self._plan = plan
         quantization = resolve_mode(hf_model, config)
         # SiLU MLPs (what dense_kernels checks): linear_silu_mul computes theirs
@@ -174,11 +180,14 @@ class PagedCausalLM:
             for layer in self.layers
         ]
         self.lm_head_linear = cached_linear(hf_model.lm_head, "lm_head", weight, None, plan)
+        if config.batch_invariant:
+            self._check_one_kernel()
         self._quantize(hf_model, config, quantization)
         self.kv_cache = kv_cache
         self.attention = create_backend(
-            config.attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels
-        )
+            config.attention_backend, kv_cache, self.specs, weight.device, native=cpu_kernels,
+            batch_invariant=config.batch_invariant,
+        )  # fmt: skip
         self.final_norm = RMSNorm(self.norm, self.device, self.dense_kernels)
         self._build_ops()
         self.compiled = False  # see enable_compiled
@@ -195,6 +204,17 @@ class PagedCausalLM:
             if config.native_layers is not False and all(op.uses_kernels for op in self.rotary)
             else None
         )
+
+    def _check_one_kernel(self) -> None:
+        """`batch_invariant`: refuse where a linear kept no packed copy (it would take
+        `F.linear`, whose sums may depend on the step's rows)."""
+        for lin in self.linears:
+            mlp = (lin.gate, lin.up) if lin.gate_up is None else ()  # else gate_up takes all
+            ops = (lin.qkv, lin.o_proj, *mlp, lin.down)
+            if not all(isinstance(op, Linear) and op.plan is not None for op in ops):
+                raise ValueError("batch_invariant: a linear of this model has no packed copy")
+        if self.lm_head_linear.plan is None:
+            raise ValueError("batch_invariant: the LM head has no packed copy")
 
     def _quantize(self, hf_model: PreTrainedModel, config: TorchBackendConfig, mode: str) -> None:
         """Give the linears their quantised copies where `mode` asks (quantization.py)."""

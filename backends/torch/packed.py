@@ -29,6 +29,8 @@ packed copy is extra memory (one more copy of every projection and of lm_head):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,23 @@ _NATIVE_PLAN = PackPlan(min_rows=1, max_rows=128, batch_hint=0, kernel=NATIVE)
 #: larger prefills keep `F.linear` (docs/benchmarks/history/). A mixed step (decodes and a
 #: prompt or two) is past 128 rows as soon as it carries two prompts.
 _NATIVE_AMX_PLAN = PackPlan(min_rows=1, max_rows=256, batch_hint=0, kernel=NATIVE)
+
+
+#: the most rows any step has (`batch_invariant`: no step's rows leave the packed kernel)
+EVERY_ROW = 2**62
+
+
+def invariant_plan(plan: PackPlan | None) -> PackPlan:
+    """`plan` taking Carousel's packed kernel at every row count (`batch_invariant`).
+
+    That kernel computes each row alone (its K sum in one order, whatever the other rows:
+    tests/test_batch_invariance.py), so a row's output never depends on the step's rows.
+    ValueError where there is no such plan (no CPU kernels, not a CPU, a dtype they lack).
+    """
+    if plan is None or plan.kernel != NATIVE:
+        why = kernels.why_off() if kernels.native() is None else "not for this device or dtype"
+        raise ValueError(f"batch_invariant needs Carousel's CPU kernels' linears: {why}")
+    return dataclasses.replace(plan, max_rows=EVERY_ROW)
 
 
 def pack_plan(device: torch.device, dtype: torch.dtype, *, native: bool = True) -> PackPlan | None:
@@ -152,6 +171,14 @@ class Linear(CustomOp):
         # `inner`'s chosen forward is bound to `inner` (its bias): choose again, for `self`
         self._forward = self.dispatch_forward(self.weight.device)
 
+    def with_plan(self, plan: PackPlan) -> Linear:
+        """This linear under `plan`'s row window, sharing its packed copy (same packing)."""
+        assert _same_packing(self.plan, plan)
+        other = copy.copy(self)
+        other.plan = plan
+        other._forward = other.dispatch_forward(other.weight.device)  # bound to `other`
+        return other
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self._forward(x)
         return out
@@ -186,18 +213,24 @@ def cached_linear(
     """
     cache: dict[str, Linear] = owner.__dict__.setdefault(_CACHE_ATTR, {})
     linear = cache.get(key)
-    if (
-        linear is None
-        or linear.weight is not weight
-        or linear.source != _source(weight)
-        or linear.plan != plan
-    ):
+    if linear is None or linear.weight is not weight or linear.source != _source(weight):
         linear = cache[key] = Linear(weight, bias, plan)
+    elif linear.plan != plan:  # another row window over the same packing shares the copy
+        if not _same_packing(linear.plan, plan):
+            linear = cache[key] = Linear(weight, bias, plan)
+        else:
+            assert plan is not None  # see _same_packing
+            return linear.with_plan(plan)
     return linear
 
 
 def _source(weight: torch.Tensor) -> tuple[int, torch.dtype, torch.device]:
     return weight.data_ptr(), weight.dtype, weight.device
+
+
+def _same_packing(a: PackPlan | None, b: PackPlan | None) -> bool:
+    """Whether plans `a` and `b` pack a weight alike (they may differ in their row window)."""
+    return a is not None and b is not None and (a.kernel, a.batch_hint) == (b.kernel, b.batch_hint)
 
 
 class GateUp:
@@ -223,6 +256,12 @@ class GateUp:
     def takes(self, x: torch.Tensor) -> bool:
         return self.plan.min_rows <= x.shape[0] <= self.plan.max_rows
 
+    def with_plan(self, plan: PackPlan) -> GateUp:
+        """This `GateUp` under `plan`'s row window, sharing its packed copy."""
+        other = copy.copy(self)
+        other.plan = plan
+        return other
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear_silu_mul(x.contiguous(), self.packed, self.out_features)
 
@@ -247,12 +286,10 @@ def cached_gate_up(owner: Any, gate: torch.Tensor, up: torch.Tensor, plan: PackP
     builds a `Linear`: arms sharing one model share one packed copy."""
     cache: dict[str, Any] = owner.__dict__.setdefault(_CACHE_ATTR, {})
     fused = cache.get(_GATE_UP_KEY)
-    if (
-        not isinstance(fused, GateUp)
-        or fused.sources != (_source(gate), _source(up))
-        or fused.plan != plan
-    ):
+    if not isinstance(fused, GateUp) or fused.sources != (_source(gate), _source(up)):
         fused = cache[_GATE_UP_KEY] = GateUp(gate, up, plan)
+    elif fused.plan != plan:  # only its row window differs (every GateUp plan is native)
+        return fused.with_plan(plan)
     return fused
 
 

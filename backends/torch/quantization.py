@@ -6,8 +6,9 @@
 - `int8`: every linear and the LM head quantised per output channel (weight-only int8);
 - `none`: the full-precision weights only (today's path, and the fp32 HF oracle's);
 - `auto` (the default): `gguf` for a model loaded from a GGUF file, else `none`; but `none`
-  where quantised linears cannot run (tensor parallelism, `--compile`). The rule never reads
-  the switches that choose among Carousel's paths (`cpu_kernels`, `native_layers`,
+  where quantised linears cannot run (tensor parallelism, `--compile`) or must not
+  (`batch_invariant`: a row's kernel would depend on the step's rows). The rule never
+  reads the switches that choose among Carousel's paths (`cpu_kernels`, `native_layers`,
   `fuse_mlp`, `prepack_weights`), so an A/B of one of those never also swaps the weights;
   `gguf` forces the blocks. With Carousel's CPU kernels the quantised steps run in the native
   decode stack (decode_stack.py): one sequence's step 1.2-1.5x faster than bf16 on the 2-core
@@ -73,8 +74,9 @@ def resolve_mode(hf_model: PreTrainedModel, config: TorchBackendConfig) -> str:
     """`config.quantization` with `auto` settled; raises ValueError for `gguf` on no GGUF."""
     mode = config.quantization
     if mode == AUTO:
-        eager_one_rank = config.tensor_parallel_size == 1 and not config.compile
-        return GGUF if eager_one_rank and from_gguf_file(hf_model, config.model) else NONE
+        one_path = config.tensor_parallel_size == 1 and not config.compile
+        one_path = one_path and not config.batch_invariant  # int4 only for steps of <= R rows
+        return GGUF if one_path and from_gguf_file(hf_model, config.model) else NONE
     if mode == GGUF and not from_gguf_file(hf_model, config.model):
         raise ValueError(
             f"quantization 'gguf' needs a GGUF model (the default or a .gguf file), not "

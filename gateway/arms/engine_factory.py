@@ -62,6 +62,7 @@ def torch_backend_config(settings: Settings) -> Any:
         tensor_parallel_size=settings.tensor_parallel_size,
         quantization=settings.quantization,
         quantization_max_rows=settings.quantization_max_rows,
+        batch_invariant=settings.batch_invariant,
     )
 
 

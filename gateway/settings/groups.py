@@ -11,6 +11,7 @@ refused (`unhonoured_settings`).
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,7 @@ from gateway.settings.policy_options import (
 )
 
 DEFAULT_MODEL = "default"
+VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 
 
 def torch_only() -> dict[str, Any]:
@@ -39,6 +41,12 @@ def per_arm() -> dict[str, Any]:
 #: the dtypes `--dtype` takes (vLLM's names; `half` and `float` are aliases)
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def vllm_batch_invariant() -> bool:
+    """Whether vLLM's `VLLM_BATCH_INVARIANT` is set to a non-zero number (as vLLM reads it)."""
+    value = os.environ.get(VLLM_BATCH_INVARIANT, "0").strip() or "0"
+    return value.lstrip("-").isdigit() and int(value) != 0
 
 
 class ModelSettings(BaseModel):
@@ -102,9 +110,22 @@ class ModelSettings(BaseModel):
         "(default: measured at load)",
         json_schema_extra={**torch_only(), **per_arm()},
     )  # fmt: skip
+    batch_invariant: bool = Field(
+        False, validate_default=True,
+        description="a sequence's answer never depends on what else is in its steps (vLLM's "
+        "VLLM_BATCH_INVARIANT, which also turns it on): one kernel per op at every row count, "
+        "attention token by token; CPU kernels only, no quantised weights",
+        json_schema_extra={**torch_only(), **per_arm()},
+    )  # fmt: skip
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
     sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")
+
+    @field_validator("batch_invariant")
+    @classmethod
+    def _vllm_switch(cls, value: bool) -> bool:
+        """On where asked for, or where vLLM's own switch (`VLLM_BATCH_INVARIANT=1`) is set."""
+        return value or vllm_batch_invariant()
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -321,10 +342,25 @@ def unhonoured_settings(settings: BaseModel) -> list[str]:
     # NOTE: as TorchBackendConfig refuses them (backends/torch/config.py): tensor-parallel
     # ranks and the compiled layer run full-precision linears only
     quantized = values["quantization"] in ("gguf", "int8")
+    conflicting = values["batch_invariant"] and _kernels_by_rows(values)
+    invariant = ["batch_invariant"] if conflicting else []
     if values["tensor_parallel_size"] > 1:
         names = ["compile"] if values["compile"] else []
-        return [*names, "quantization"] if quantized else names
-    return ["quantization"] if quantized and values["compile"] else []
+        return [*names, *invariant, "quantization"] if quantized else [*names, *invariant]
+    return ["quantization"] if quantized and values["compile"] else invariant
+
+
+def _kernels_by_rows(values: dict[str, Any]) -> bool:
+    """Whether these settings choose a kernel by the step's rows, or leave Carousel's CPU
+    kernels out: what `batch_invariant` cannot run with (as TorchBackendConfig refuses it)."""
+    return (
+        values["quantization"] in ("gguf", "int8")
+        or values["compile"]
+        or values["tensor_parallel_size"] > 1
+        or not values["cpu_kernels"]
+        or not values["prepack_weights"]
+        or values["attention_backend"] not in ("auto", "cpu_paged")
+    )
 
 
 def unhonoured_message(settings: BaseModel) -> str | None:
@@ -337,7 +373,14 @@ def unhonoured_message(settings: BaseModel) -> str | None:
         size = getattr(settings, "tensor_parallel_size", 1)
         backend = f"the torch backend with tensor_parallel_size {size}"
     them = "it" if len(names) == 1 else "them"
-    return f"{backend} cannot honour {', '.join(names)}: drop {them} or choose a backend that does"
+    message = f"{backend} cannot honour {', '.join(names)}: drop {them} or choose a backend that "
+    message += "does"
+    if "batch_invariant" in names and backend != "sim":
+        message += (
+            " (batch_invariant runs only Carousel's CPU kernels, without quantisation, "
+            "compile or tensor parallelism: docs/batch-invariance.md)"
+        )
+    return message
 
 
 def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:

@@ -119,8 +119,13 @@ def create_backend(
     device: torch.device,
     *,
     native: bool = True,
+    batch_invariant: bool = False,
 ) -> AttentionBackend[Any]:
-    """Build backend `name` (or `auto`'s choice, see `resolve_name`) over `kv_cache`."""
+    """Build backend `name` (or `auto`'s choice, see `resolve_name`) over `kv_cache`.
+
+    `batch_invariant`: only `cpu_paged`, attending token by token (its `per_token`); ValueError
+    where that is not what `name` resolves to.
+    """
     dtype = kv_cache.k[0].dtype if kv_cache.k else None
     resolved = resolve_name(name, device, dtype, native=native)
     widest = max((spec.head_dim for spec in layers), default=0)
@@ -133,4 +138,11 @@ def create_backend(
         resolved = "sdpa"
     module_name, _, class_name = _BACKENDS[resolved].target.partition(":")
     cls: type[AttentionBackend[Any]] = getattr(importlib.import_module(module_name), class_name)
-    return cls(kv_cache, layers)
+    if not batch_invariant:
+        return cls(kv_cache, layers)
+    if resolved != "cpu_paged":
+        raise ValueError(
+            f"batch_invariant needs the cpu_paged attention backend (Carousel's CPU kernels), "
+            f"not {resolved}: its decodes and prefills take different kernels"
+        )
+    return cls(kv_cache, layers, per_token=True)  # type: ignore[call-arg]

@@ -11,6 +11,12 @@ about 600 us per layer at B = 64 on the 2-core CPU; docs/benchmarks/history/).
 
 Runs on CPUs with AVX-512 and BF16 where the kernels build (cpu_kernels); fp32 and bf16;
 heads up to 256 wide (`auto` takes `sdpa` for wider ones).
+
+`per_token` (the `batch_invariant` mode): every token, a prompt's too, goes to the decode
+kernel as a decode over its own context (its block table, its position + 1 keys), after the
+step's K/V are written. A token's attention is then the same sums in the same order whether
+its prompt came whole, in chunks, after a cached prefix, as a recompute, or as a decode, beside
+any other sequences: the kernel splits work by sequence and K/V head only, never along keys.
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
 
     name = "cpu_paged"
 
-    def __init__(self, kv_cache: KVCache, layers: Sequence[AttentionSpec]) -> None:
+    def __init__(
+        self, kv_cache: KVCache, layers: Sequence[AttentionSpec], *, per_token: bool = False
+    ) -> None:
         super().__init__(kv_cache, layers)
+        self.per_token = per_token
         native = kernels.native()
         if native is None:
             raise RuntimeError(f"cpu_paged needs Carousel's CPU kernels: {kernels.why_off()}")
@@ -57,6 +66,8 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
         self.windows = sorted({spec.sliding_window for spec in layers}, key=str)
 
     def build_metadata(self, layout: BatchLayout) -> CpuPagedMetadata:
+        if self.per_token:
+            return _every_token_a_decode(layout)
         dec = layout.decode_indices
         num = dec.shape[0]
         return CpuPagedMetadata(
@@ -94,3 +105,21 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
             q, self.kv_cache.k[layer], self.kv_cache.v[layer], meta.block_tables,
             meta.context_lens, self.layers[layer].scale, window, out,
         )  # fmt: skip
+
+
+def _every_token_a_decode(layout: BatchLayout) -> CpuPagedMetadata:
+    """Metadata that sends every scheduled token to the decode kernel (`per_token`)."""
+    device = layout.slot_mapping.device
+    n = layout.num_tokens
+    seqlens_q = torch.tensor(layout.seqlens_q, device=device)
+    seq = torch.repeat_interleave(torch.arange(layout.num_seqs, device=device), seqlens_q)  # (N,)
+    # a token's keys: its sequence's context less the tokens scheduled after it
+    after = layout.cu_seqlens_q[seq + 1] - 1 - torch.arange(n, device=device)  # (N,)
+    return CpuPagedMetadata(
+        layout=layout,
+        decode_rows=torch.arange(n, device=device),
+        all_decodes=True,
+        block_tables=layout.block_tables[seq].contiguous(),  # (N, max_blocks)
+        context_lens=(layout.context_lens[seq] - after).contiguous(),
+        prefill_masks={},
+    )
