@@ -252,7 +252,8 @@ def test_a_faster_candidate_is_promoted_through_the_default_steps_against_its_co
     assert status["status"] == "promoted", status
     assert [d["kind"] for d in status["decisions"]] == ["advance"] * 3, status["decisions"]
     assert [d["share"] for d in status["decisions"]] == [5, 25, 50]
-    assert status["compared"] == ["candidate", "control"] and status["unit"] == "request"
+    assert status["compared"] == ["candidate", "control"]
+    assert status["assignment"] == "request" and status["unit"].startswith("a block's first 1")
     print(f"promoted after {[d['n'] for d in status['decisions']]}")
 
 

@@ -390,7 +390,7 @@ class RolloutController:
             "control": s.control,
             "compared": [s.candidate, self.topology.reference],
             "assignment": s.assignment,
-            "unit": "request" if s.assignment == "request" else "user",
+            "unit": _unit_text(s),
             "status": self.state.status,
             "replica": self.owner,
             "decider": self.store.lease_holder(),
@@ -437,6 +437,15 @@ _STATUS_AFTER = {
     "pause": "paused",
     "resume": "running",
 }
+
+
+def _unit_text(settings: RolloutSettings) -> str:
+    """The tests' unit, as the status says it (gateway/rollout/evidence.py)."""
+    first = f"first {settings.requests_per_unit}"
+    block = f"a block's {first} requests an arm"
+    if settings.assignment == "request":
+        return block
+    return f"a user's {first} requests of the step (without `user`: {block})"
 
 
 def _topology(settings: RolloutSettings, engines: dict[str, int]) -> RolloutTopology:
