@@ -750,13 +750,16 @@ def test_the_rollout_panels_read_what_a_gateway_with_a_rollout_exports() -> None
     panel's metrics in a live scrape of a gateway running one, with a series for each arm
     and each decision kind before the first decision."""
     upstream = {"base_urls": ["http://127.0.0.1:9/v1"], "model": "x"}
+    names = ("orca", "orca-control", "static")  # compose.rollout.yaml's topology
     settings = Settings(
         backend="sim",
         served_model_name="m",
-        arms=[{"name": n, "upstream": upstream} for n in ("orca", "static")],  # type: ignore[misc]
-        rollout={"baseline": "orca", "candidate": "static"},  # type: ignore[arg-type]
+        arms=[{"name": n, "upstream": upstream} for n in names],  # type: ignore[misc]
+        rollout={"baseline": "orca", "control": "orca-control", "candidate": "static"},  # type: ignore[arg-type]
     )
-    deployment = Deployment("m", [sim_arm(scheduler="orca"), sim_arm(scheduler="static")])
+    control = sim_arm(scheduler="orca")
+    control.name = "orca-control"
+    deployment = Deployment("m", [sim_arm(scheduler="orca"), control, sim_arm(scheduler="static")])
     with serve_app(create_app(settings, [deployment])) as url:
         scrape = list(scrape_samples(httpx.get(f"{url}/metrics", timeout=10).text))
     names = {name for name, _ in scrape}
@@ -766,7 +769,7 @@ def test_the_rollout_panels_read_what_a_gateway_with_a_rollout_exports() -> None
     kinds = {
         labels["kind"] for name, labels in scrape if name == "carousel_rollout_decisions_total"
     }
-    assert weights == {"orca", "static"}
+    assert weights == {"orca", "orca-control", "static"}
     assert kinds == {"advance", "rollback", "promote", "hold", "pause", "resume", "abort"}
 
 
