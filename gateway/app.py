@@ -135,7 +135,6 @@ def rollouts(
     deployment.assignment = rollout.assignment
     deployment.arms.sort(key=lambda a: a.name == rollout.candidate)
     specs = {a.name: a for a in settings.arms or []}
-    engines = {name: spec.engines for name, spec in specs.items()}
     store = open_store(settings.rollout_store, deployment.name)
     compared = (rollout.candidate, rollout.reference)
     upstream = [n for n in compared if n in specs and specs[n].is_upstream]
@@ -148,7 +147,7 @@ def rollouts(
         list(deployment.primaries),
         store,
         RolloutMetrics(metrics.registry),
-        engines=engines,
+        topology=settings.rollout_topology(),
         notes=notes,
     )
     return {deployment.name: controller}

@@ -77,15 +77,11 @@ class GatewayState:
         rollout = self.rollouts.get(ctx.model)
         if rollout is None or ctx.arm is None:
             return
-        unit = ctx.user
-        if ctx.arm_drawn is None:
-            sample = request_sample(status, ctx.ttft_s, total_s, ctx.completion_tokens)
-            rollout.observe(ctx.arm, sample, unit, randomised=False)
-        elif ctx.arm_drawn != ctx.arm:
-            rollout.observe(ctx.arm_drawn, {"error": 1.0}, unit)
-        else:
-            sample = request_sample(status, ctx.ttft_s, total_s, ctx.completion_tokens)
-            rollout.observe(ctx.arm, sample, unit)
+        if ctx.arm_drawn is not None and ctx.arm_drawn != ctx.arm:
+            rollout.observe(ctx.arm_drawn, {"error": 1.0}, ctx.user)
+            return
+        sample = request_sample(status, ctx.ttft_s, total_s, ctx.completion_tokens)
+        rollout.observe(ctx.arm, sample, ctx.user, randomised=ctx.arm_drawn is not None)
 
     def start(self) -> None:
         for deployment, arm in self.deployments.arms():

@@ -100,34 +100,33 @@ class Engines:
         self.total_rate = total_rate
         self.stream_requests = stream_requests
         self.cache = cache
-        self._streams: dict[tuple[str, float, int], Arrays] = {}
+        self._streams: dict[tuple[str, float], Arrays] = {}
 
     def rate_of(self, share: float) -> float:
         """The grid rate nearest to `share` of the total (in log space)."""
         rate = max(share, 1e-4) * self.total_rate
         return float(RATE_STEP ** np.round(np.log(rate) / np.log(RATE_STEP)))
 
-    def stream(self, kind: str, share: float, engine: int = 0) -> Arrays:
-        """The stream of this kind of engine at this share (`engine`: another realisation)."""
-        key = (kind, self.rate_of(share), engine)
+    def stream(self, kind: str, share: float) -> Arrays:
+        """The stream of this kind of engine at this share."""
+        key = (kind, self.rate_of(share))
         if key not in self._streams:
             self._streams[key] = self._cached(*key)
         return self._streams[key]
 
-    def _cached(self, kind: str, rate: float, engine: int) -> Arrays:
+    def _cached(self, kind: str, rate: float) -> Arrays:
         if self.cache is None:
-            return self._simulate(kind, rate, engine)
-        suffix = f"-e{engine}" if engine else ""
-        path = self.cache / f"{kind}-{rate:.6g}-{self.stream_requests}{suffix}.npz"
+            return self._simulate(kind, rate)
+        path = self.cache / f"{kind}-{rate:.6g}-{self.stream_requests}.npz"
         if path.exists():
             with np.load(path) as saved:
                 return {name: saved[name] for name in saved.files}
-        arrays = self._simulate(kind, rate, engine)
+        arrays = self._simulate(kind, rate)
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(path, **arrays)
         return arrays
 
-    def _simulate(self, kind: str, rate: float, engine: int) -> Arrays:
+    def _simulate(self, kind: str, rate: float) -> Arrays:
         scale = ENGINE_COST[kind]
         base = CostModel()
         cost = dataclasses.replace(
@@ -143,7 +142,7 @@ class Engines:
             output_median=64,
             output_sigma=0.8,
             max_tokens=256,
-            seed=int(rate * 1000) + 7 + 7919 * engine,
+            seed=int(rate * 1000) + 7,
         )
         result = simulate("orca", cost, 4096, workload.requests(), max_tokens=256, max_num_seqs=32)
         timings = result.timings

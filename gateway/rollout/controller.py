@@ -145,12 +145,13 @@ class RolloutController:
         clock: Callable[[], float] = time.time,
         sync_every: int = SYNC_EVERY,
         lease_s: float = LEASE_S,
-        engines: dict[str, int] | None = None,
+        topology: RolloutTopology | None = None,
         notes: list[str] | None = None,
     ) -> None:
         self.model = model
         self.spec: RolloutSpec = build_spec(settings)
-        self.topology = _topology(settings, engines or {})
+        #: the arms and their engines (default: one engine an arm)
+        self.topology = topology or RolloutTopology.of(settings, {})
         self.arms = arms
         self.store = store
         self.metrics = metrics
@@ -192,15 +193,11 @@ class RolloutController:
     def weights(self) -> dict[str, float]:
         """Each rollout arm's share of traffic now (rollback and abort: all to the baseline)."""
         if self.state.status in ("rolled_back", "aborted"):
-            return {name: 100.0 * (name == self.settings.baseline) for name in self._arm_names()}
+            return {name: 100.0 * (name == self.settings.baseline) for name in self.topology.arms}
         return self.topology.weights(self.share)
 
-    def _arm_names(self) -> list[str]:
-        s = self.settings
-        return [s.baseline, s.candidate] + ([s.control] if s.control else [])
-
     def apply_weights(self) -> None:
-        """Only the rollout's arms carry weight (see `weights`), the candidate's slice first."""
+        """Only the rollout's arms carry weight (see `weights`)."""
         weights = self.weights()
         for arm in self.arms:
             arm.weight = weights.get(arm.name, 0.0)
@@ -218,13 +215,14 @@ class RolloutController:
     def observe(
         self, arm: str, sample: Sample, unit: str | None = None, randomised: bool = True
     ) -> Decision | None:
-        """Count one finished request of `arm` (`unit`: the user it counts for, None: its own
-        unit; not `randomised`: pinned or continued, counted apart); the decision it led to."""
+        """Count one finished request of `arm` (`unit`: the user it counts for, None: its
+        block's, gateway/rollout/evidence.py; not `randomised`: pinned or continued, counted
+        apart); the decision it led to."""
         role = self.role(arm)
         if not sample or self.state.status not in ("running", "held"):
             return None
         failed = sample.get("error", 0.0) > 0
-        if randomised and arm != self.settings.candidate and arm in self._arm_names():
+        if randomised and arm != self.settings.candidate and arm in self.topology.engines:
             self._recent["others"].append(failed)
         if role is None:
             return None
@@ -251,11 +249,8 @@ class RolloutController:
     def _rollback_failing(self) -> Decision | None:
         """A candidate that stopped answering is rolled back at once, by any replica (the
         compare-and-set keeps a concurrent decision from being overwritten)."""
-        self._flush()
-        self.adopt()
-        if self.state.status not in ("running", "held"):
+        if not self._refresh():
             return None
-        self.state.tally = self.store.tally(self.state.epoch)
         log_e = {t.name: self.state.tally.log_e(t.name) for t in self.spec.tests}
         if not self._act("rollback", "candidate_failing", log_e):
             return None
@@ -264,14 +259,22 @@ class RolloutController:
     def sync(self) -> Decision | None:
         """Add this replica's samples to the store, adopt the shared state, and, holding the
         lease, decide on the shared tally."""
+        if not self._refresh(needs_lease=True):
+            return None
+        return self.look()
+
+    def _refresh(self, needs_lease: bool = False) -> bool:
+        """Add this replica's samples to the store and adopt the shared state; if the rollout
+        still runs (and, `needs_lease`, this replica holds the decider's lease), read the
+        shared tally: True, a decision may be taken on it."""
         self._flush()
         self.adopt()
         if self.state.status not in ("running", "held"):
-            return None
-        if not self.store.lease(self.owner, self.lease_s):
-            return None
+            return False
+        if needs_lease and not self.store.lease(self.owner, self.lease_s):
+            return False
         self.state.tally = self.store.tally(self.state.epoch)
-        return self.look()
+        return True
 
     def _flush(self) -> None:
         self.store.add_tally(self.state.epoch, self.pending)
@@ -446,12 +449,6 @@ def _unit_text(settings: RolloutSettings) -> str:
     if settings.assignment == "request":
         return block
     return f"a user's {first} requests of the step (without `user`: {block})"
-
-
-def _topology(settings: RolloutSettings, engines: dict[str, int]) -> RolloutTopology:
-    names = [settings.baseline, settings.candidate, settings.control]
-    counts = {n: engines.get(n, 1) for n in names if n is not None}
-    return RolloutTopology(settings.baseline, settings.candidate, settings.control, counts)
 
 
 def _e_value(log_e: float) -> float:

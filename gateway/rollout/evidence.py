@@ -287,8 +287,9 @@ class StepObserver:
             value = sample.get(name, float("nan"))
             if name in self._ref and np.isfinite(value):
                 self._observe_pair(tally, arm, name, value)
+        shares = unit.tail_shares()
         for test in self.spec.tests:
-            share = unit.tail_shares().get(test.name)
+            share = shares.get(test.name)
             if test.kind == "tail" and share is not None:
                 tally.add_increments(test.name, test.test.increments(np.asarray([share])))
 

@@ -169,9 +169,7 @@ class Settings(
     def rollout_topology(self) -> RolloutTopology:
         """The rollout's arms and their engines (the rollout must be declared)."""
         assert self.rollout is not None
-        engines = {a.name: a.engines for a in self.arms or []}
-        r = self.rollout
-        return RolloutTopology(r.baseline, r.candidate, r.control, engines)
+        return RolloutTopology.of(self.rollout, {a.name: a.engines for a in self.arms or []})
 
     @property
     def model_name(self) -> str:

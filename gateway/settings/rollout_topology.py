@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.settings.rollout import RolloutSettings
+
 
 @dataclass(frozen=True)
 class RolloutTopology:
@@ -34,9 +36,21 @@ class RolloutTopology:
     control: str | None
     engines: dict[str, int]
 
+    @classmethod
+    def of(cls, rollout: RolloutSettings, engines: dict[str, int]) -> RolloutTopology:
+        """`rollout`'s arms, each with its engines in `engines` (1 when not given)."""
+        names = [n for n in (rollout.baseline, rollout.candidate, rollout.control) if n]
+        counts = {name: engines.get(name, 1) for name in names}
+        return cls(rollout.baseline, rollout.candidate, rollout.control, counts)
+
     @property
     def reference(self) -> str:
         return self.control or self.baseline
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """Every arm of the rollout (baseline, candidate, control)."""
+        return tuple(self.engines)
 
     def weights(self, share: float) -> dict[str, float]:
         """Each arm's share of traffic, percent, while the candidate's is `share`."""
