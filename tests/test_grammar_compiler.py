@@ -282,7 +282,7 @@ def test_a_compile_process_that_dies_fails_its_compile_and_is_replaced(
 def test_a_slow_compile_times_out_at_its_deadline_without_stalling_other_compiles(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
-    slow = make_compiler(tokenizer, limits=GrammarLimits(compile_timeout_s=0.3))
+    slow = make_compiler(tokenizer, queue_timeout_s=30, limits=GrammarLimits(compile_timeout_s=0.3))
     try:
         slow.warm_up().result(timeout=60)
         start = time.monotonic()
@@ -321,7 +321,14 @@ def test_an_overrunning_compile_is_killed_so_its_worker_is_free_at_once(
 def test_after_two_compile_timeouts_a_fresh_small_schema_compiles_within_2_s(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
-    two = make_compiler(tokenizer, num_workers=2, limits=GrammarLimits(compile_timeout_s=0.3))
+    # a 30 s queue bound: on a loaded 2-core machine a worker can take longer than the 0.3 s
+    # compile deadline to pick its job up, and this test is about the compile deadline
+    two = make_compiler(
+        tokenizer,
+        num_workers=2,
+        queue_timeout_s=30,
+        limits=GrammarLimits(compile_timeout_s=0.3),
+    )
     try:
         two.warm_up().result(timeout=60)
         slow = [
@@ -360,7 +367,10 @@ def test_one_principal_has_at_most_its_cap_of_compiles_in_flight(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
     capped = make_compiler(
-        tokenizer, max_pending_per_principal=1, limits=GrammarLimits(compile_timeout_s=0.3)
+        tokenizer,
+        max_pending_per_principal=1,
+        queue_timeout_s=30,
+        limits=GrammarLimits(compile_timeout_s=0.3),
     )
     try:
         running = capped.submit(SLOW, "alice")
