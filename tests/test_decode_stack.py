@@ -191,24 +191,22 @@ def test_the_stack_stays_out_where_the_loop_would_call_other_kernels() -> None:
     assert PagedCausalLM(model, cache, cpu_kernels=False).native_layers is None
     qwen3 = tiny_model("qwen3")  # a norm per head before rotary
     assert PagedCausalLM(qwen3, paged_cache(qwen3, torch.float32)).native_layers is None
-    # other linears swapped in afterwards (tensor parallelism's row-parallel ones): the loop
-    paged = PagedCausalLM(model, cache)
-    assert paged.native_layers is not None
-    counting = CountingStack(paged.native_layers.stack)
-    paged.native_layers.stack = counting
-    seq = sequences(random.Random(0), 1)[0]
-    batch = Batch(0)
-    batch.add(seq, seq.num_prompt_tokens)
-    inputs = prepare_inputs(batch, BLOCK, CPU)
-    paged(inputs.input_ids, inputs.positions, inputs.layout)
-    seq.num_computed_tokens = seq.num_tokens
-    seq.output_token_ids.append(1)
-    batch = Batch(0)
-    batch.add(seq, 1)
-    inputs = prepare_inputs(batch, BLOCK, CPU)
-    paged.linears = list(paged.linears)
-    paged(inputs.input_ids, inputs.positions, inputs.layout)
-    assert counting.calls == 0
+    # tensor parallelism's row-parallel linears all-reduce between the kernels: the loop
+    placed = PagedCausalLM(model, cache, placement=IdentityPlacement())
+    assert placed.native_layers is None and placed.stack.name == "eager"
+
+
+class IdentityPlacement:
+    """A placement (linears.py) that keeps every op as it is: a one-rank tensor parallelism."""
+
+    def row_parallel(self, linear: Any) -> Any:
+        return linear
+
+    def lm_head(self, linear: Any) -> Any:
+        return linear
+
+    def embedding(self, embed: Any) -> Any:
+        return embed
 
 
 def test_closing_the_backend_frees_the_kv_cache_the_stack_held() -> None:

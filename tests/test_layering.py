@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ SERVER = ("gateway", "schedulers", "backends")
 PROJECT = (*SERVER, "bench")
 #: (file, function) pairs allowed to import torch lazily from inside the gateway
 LAZY_TORCH_LOADS = {("gateway/arms/engine_factory.py", "_torch_modules")}
+#: torch backend modules that import no torch, which the gateway may ask at module level:
+#: the config, which owns which settings the backend honours
+TORCH_FREE = {"backends.torch.config"}
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ def test_gateway_imports_torch_only_in_the_lazy_backend_load() -> None:
         e
         for e in package_edges("gateway")
         if (top(e.target) == "torch" or e.target.startswith("backends.torch"))
+        and e.target not in TORCH_FREE
         and (e.source, e.function) not in LAZY_TORCH_LOADS
     ]
     assert not bad, bad
@@ -248,7 +253,76 @@ def test_the_edge_finder_sees_lazy_and_module_level_imports(tmp_path: Path) -> N
     assert [(e.target, e.function) for e in edges] == [("os", None), ("torch", "f")]
 
 
+@pytest.mark.parametrize("module", sorted(TORCH_FREE))
+def test_the_torch_free_modules_import_no_torch(module: str) -> None:
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode() or f"{module} imported torch"
+
+
 def test_importing_the_gateway_app_does_not_import_torch() -> None:
     code = "import sys, gateway.app, gateway.cli; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)
     assert result.returncode == 0, result.stderr.decode() or "gateway.app imported torch"
+
+
+TORCH = "backends/torch"
+
+
+def room_edges(room: str) -> list[Edge]:
+    """Every import in the torch backend's room `room` (a folder or a module)."""
+    path = ROOT / TORCH / room
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return [e for f in files for e in imports_of(f)]
+
+
+@pytest.mark.parametrize(
+    ("room", "forbidden"),
+    [
+        ("layers", ("stacks", "quantization", "models")),
+        ("models", ("stacks",)),
+    ],
+)
+def test_the_torch_rooms_point_one_way(room: str, forbidden: tuple[str, ...]) -> None:
+    """The layers know no model, stack or quantisation; the family files know no stack."""
+    banned = [f"backends.torch.{name}" for name in forbidden]
+    bad = [e for e in room_edges(room) if any(in_room(e.target, b) for b in banned)]
+    assert not bad, bad
+
+
+#: the HF attribute names of the Llama family's modules (a family file's vocabulary), read as
+#: attributes (`.q_proj`) or named in strings (`"q_norm"`, `r"q_proj\."`); a local variable
+#: named `q_norm` is not an HF name
+HF_NAMES = re.compile(
+    r"[.'\"](q_proj|k_proj|v_proj|gate_proj|up_proj|down_proj|self_attn|q_norm|k_norm|"
+    r"input_layernorm|post_attention_layernorm|embed_tokens|rotary_emb|variance_epsilon)\b"
+)
+
+
+def hf_name_lines(root: Path) -> list[str]:
+    """`file:line` of every use of a HF attribute name in the server's code outside
+    backends/torch/models/."""
+    found = []
+    for package in SERVER:
+        for path in sorted((root / package).rglob("*.py")):
+            relative = path.relative_to(root)
+            if relative.parts[:3] == ("backends", "torch", "models"):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if HF_NAMES.search(line):
+                    found.append(f"{relative}:{number}: {line.strip()}")
+    return found
+
+
+def test_hf_attribute_names_appear_in_the_family_files_only() -> None:
+    found = hf_name_lines(ROOT)
+    assert not found, "HF names outside backends/torch/models/:\n" + "\n".join(found)
+
+
+def test_the_name_finder_finds_a_hf_name_outside_models(tmp_path: Path) -> None:
+    (tmp_path / "backends/torch/models").mkdir(parents=True)
+    (tmp_path / "backends/torch/models/llama.py").write_text("x = layer.self_attn\n")
+    (tmp_path / "backends/torch/ops.py").write_text("w = getattr(attn, 'q_norm')\n")
+    for package in ("gateway", "schedulers"):
+        (tmp_path / package).mkdir()
+    assert hf_name_lines(tmp_path) == ["backends/torch/ops.py:1: w = getattr(attn, 'q_norm')"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import weakref
 from typing import Any
 
 import pytest
@@ -12,9 +10,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from backends.torch import cpu_kernels
-from backends.torch.fused import fuse_layer
 from backends.torch.kv_cache import KVCache, KVLayout
-from backends.torch.model import PagedCausalLM, _LayerLinears, attention_specs
+from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.packed import (
     NATIVE,
     ONEDNN,
@@ -25,6 +22,7 @@ from backends.torch.packed import (
     pack_plan,
 )
 from backends.torch.runner import TorchBackend
+from backends.torch.stacks.compiled import compilable
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 
 CPU = torch.device("cpu")
@@ -185,35 +183,29 @@ def test_the_mlp_runs_gate_up_and_silu_as_one_kernel_with_the_same_numbers(
     assert fused.gate_up is not None
     # one packed copy of gate and up: theirs; the Linears keep the plain weights only
     assert fused.gate.packed is None and fused.up.packed is None
-    unfused = _LayerLinears.of(model.model.layers[0], fuse_layer(model.model.layers[0]),
-                               paged._plan)  # fmt: skip
-    assert unfused.gate_up is None and unfused.gate.packed is not None
+    unfused = PagedCausalLM(model, small_cache(model), fuse_mlp=False)
+    assert unfused.linears[0].gate_up is None and unfused.linears[0].gate.packed is not None
     hidden = model.config.hidden_size
     for rows in (1, 7, 64, 128, 129, 300):  # 300: past any plan's rows, the unfused path
         x = torch.randn(rows, hidden).to(dtype)
-        got = paged._mlp(0, x)
-        paged.linears[0] = unfused
-        try:
-            want = paged._mlp(0, x)
-        finally:
-            paged.linears[0] = fused
-        assert torch.equal(got, want), rows
+        assert torch.equal(first_mlp(paged, x), first_mlp(unfused, x)), rows
     second = PagedCausalLM(model, small_cache(model))
     assert second.linears[0].gate_up is fused.gate_up  # arms over one model share it
-    assert PagedCausalLM(model, small_cache(model), fuse_mlp=False).linears[0].gate_up is None
+
+
+def first_mlp(paged: PagedCausalLM, x: torch.Tensor) -> torch.Tensor:
+    """Layer 0's MLP output through `paged`'s own ops."""
+    ops = paged.ops[0]
+    lin = ops.linears
+    out: torch.Tensor = lin.down(ops.mlp_act(x, lin.gate, lin.up, lin.gate_up))
+    return out
 
 
 @pytest.mark.skipif(cpu_kernels.native() is None, reason="no CPU kernels here")
-def test_compiling_frees_the_fused_gate_up_the_graph_does_not_use() -> None:
+def test_a_compiled_model_packs_no_gate_up_the_graph_does_not_use() -> None:
     model = tiny_model("llama")
-    paged = PagedCausalLM(model, small_cache(model))
-    if not paged.compilable():
+    if not compilable(attention_specs(model)):
         pytest.skip("no C++ compiler for Inductor")
-    fused = paged.linears[0].gate_up
-    assert fused is not None
-    packed = weakref.ref(fused.packed)
-    del fused
-    paged.enable_compiled()
-    assert paged.compiled and paged.linears[0].gate_up is None
-    gc.collect()
-    assert packed() is None  # no packed gate/up copy is held for the compiled graph
+    paged = PagedCausalLM(model, small_cache(model), compile=True)
+    assert paged.compiled and paged.stack.name == "compiled"
+    assert paged.linears[0].gate_up is None  # the graph runs gate and up one by one

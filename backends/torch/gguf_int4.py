@@ -26,20 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends.torch.models import ArchitectureFamily, family_of_gguf
+
 GROUP_SIZE = 32  # weights per (scale, zero) along K: a Q4_0/Q4_1 block, a Q4_K sub-block
 INT4_FILE = "gguf_int4.safetensors"  # beside the converted model's own files
-
-#: GGUF tensor names (llama.cpp's, per layer) -> the HF module names transformers converts to
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"output": "lm_head", "token_embd": "model.embed_tokens"}
 
 
 @dataclass(frozen=True)
@@ -126,13 +116,13 @@ def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4
     )
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF module a GGUF weight becomes (`blk.3.attn_q.weight` -> `model.layers.3.
-    self_attn.q_proj`), or None for a tensor with no linear of ours."""
+def hf_name(gguf_name: str, family: ArchitectureFamily) -> str | None:
+    """The HF module a GGUF weight becomes (`blk.3.attn_q.weight` -> the family's name for
+    layer 3's Q projection), or None for a tensor with no linear of ours."""
     parts = gguf_name.removesuffix(".weight").split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return _TOP_NAMES.get(parts[0]) if len(parts) == 1 else None
+    if len(parts) == 3 and parts[0] == "blk":
+        return family.gguf_hf_name(int(parts[1]), parts[2])
+    return family.gguf_top_names.get(parts[0]) if len(parts) == 1 else None
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -157,17 +147,22 @@ def read_int4(gguf_path: Path) -> dict[str, Int4Blocks]:
 
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
+    family = family_of_gguf(str(arch))
+    if family is None:
+        return {}
+    permuted = family.gguf_rotary_permuted.get(str(arch), ())
     heads = _field(reader, f"{arch}.attention.head_count")
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
     out: dict[str, Int4Blocks] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, family)
         if name is None or tensor.tensor_type.name not in INT4_TYPES:
             continue
         k, n = (int(d) for d in tensor.shape)  # ggml lists the fastest dimension first
         blocks = int4_blocks(np.asarray(tensor.data), tensor.tensor_type.name, (n, k))
-        if arch == "llama" and name.endswith(("q_proj", "k_proj")) and heads:
-            num_heads = heads if name.endswith("q_proj") else kv_heads
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if kind in permuted and heads:
+            num_heads = heads if kind == permuted[0] else kv_heads  # Q's rows, then K's
             blocks = blocks.rows(unpermute_rows(n, int(num_heads)))
         out[name] = blocks
     return out

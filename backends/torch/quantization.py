@@ -37,6 +37,8 @@ from backends.torch.gguf_int4 import Int4Blocks
 from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.loader import gguf_int4, gguf_source
 from backends.torch.logs import engine_log
+from backends.torch.models import weights_of
+from backends.torch.models.base import PROJECTIONS
 from backends.torch.packed import Linear
 from backends.torch.quant_weights import Int4Weight, Int8Weight, QuantizedWeight
 
@@ -45,8 +47,6 @@ log = engine_log()
 AUTO, GGUF, INT8, NONE = QUANTIZATIONS
 #: row counts `measure_max_rows` tries, in order (a step past the last takes bf16 anyway)
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-#: a layer's projections that may have quantised copies (`_LayerLinears` fields, model.py)
-PROJECTIONS = ("qkv", "o_proj", "gate", "up", "down")
 _CACHE_ATTR = "_carousel_quantized"
 
 
@@ -98,19 +98,17 @@ def _int4_copies(
 ) -> dict[str, QuantizedWeight]:
     """Per `layers.{i}.{projection}` and `lm_head`: the GGUF's 4-bit blocks, packed."""
     blocks = gguf_int4(ref)
+    weights = weights_of(hf_model)
     out: dict[str, QuantizedWeight] = {}
-    for i in range(len(hf_model.model.layers)):
-        prefix = f"model.layers.{i}."
-        qkv = [blocks.get(prefix + f"self_attn.{p}_proj") for p in "qkv"]
-        if all(b is not None for b in qkv):
-            out[f"layers.{i}.qkv"] = Int4Weight(Int4Blocks.cat(qkv), dtype, device)  # type: ignore[arg-type]
-        for key, name in (("o_proj", "self_attn.o_proj"), ("gate", "mlp.gate_proj"),
-                          ("up", "mlp.up_proj"), ("down", "mlp.down_proj")):  # fmt: skip
-            if prefix + name in blocks:
-                out[f"layers.{i}.{key}"] = Int4Weight(blocks[prefix + name], dtype, device)
-    tied = hf_model.lm_head.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
-    head = blocks.get("lm_head") or (blocks.get("model.embed_tokens") if tied else None)
-    lm_head = hf_model.lm_head.weight
+    for layer in weights.layers:
+        for key in PROJECTIONS:
+            names = layer.checkpoint_names.get(key, ())
+            found = [blocks[n] for n in names if n in blocks]
+            if names and len(found) == len(names):  # q, k and v all, for qkv
+                joined = found[0] if len(found) == 1 else Int4Blocks.cat(found)
+                out[f"layers.{layer.index}.{key}"] = Int4Weight(joined, dtype, device)
+    head = next((blocks[n] for n in weights.lm_head_names if n in blocks), None)
+    lm_head = weights.lm_head_weight
     out["lm_head"] = Int4Weight(head, dtype, device) if head is not None else Int8Weight(lm_head)
     return out
 
@@ -120,7 +118,7 @@ def _int8_copies(hf_model: PreTrainedModel, linears: Sequence[Any]) -> dict[str,
     for i, lin in enumerate(linears):
         for key in PROJECTIONS:
             out[f"layers.{i}.{key}"] = Int8Weight(getattr(lin, key).weight)
-    out["lm_head"] = Int8Weight(hf_model.lm_head.weight)
+    out["lm_head"] = Int8Weight(weights_of(hf_model).lm_head_weight)
     return out
 
 
@@ -128,7 +126,7 @@ def quantized_copies(
     hf_model: PreTrainedModel, mode: str, ref: str, linears: Sequence[Any]
 ) -> dict[str, QuantizedWeight]:
     """The quantised weights `mode` gives this model, built once per model, mode and dtype."""
-    weight = hf_model.lm_head.weight
+    weight = weights_of(hf_model).lm_head_weight
     key = (mode, ref, weight.dtype, weight.device)
 
     def build() -> dict[str, QuantizedWeight]:
@@ -254,7 +252,7 @@ def quantize_linears(
     """Each layer's projections and the LM head, with their quantised copies where `mode` (the
     `resolve_mode` of `config`) asks for them: ([{projection: op}] per layer, LM head, report).
     """
-    weight = hf_model.lm_head.weight
+    weight = lm_head.weight
     device, dtype = weight.device, weight.dtype
     plain = [{k: getattr(lin, k) for k in PROJECTIONS} for lin in linears]
     packed = [lm_head.packed, *(lin.packed for layer in plain for lin in layer.values())]
@@ -318,7 +316,8 @@ def weight_bytes(
             dense += param.numel() * param.element_size()
     for copy in {id(c): c for c in packed if c is not None}.values():  # oneDNN's: no data_ptr
         dense += copy.numel() * copy.element_size()
-    out = {str(hf_model.lm_head.weight.dtype).removeprefix("torch."): dense}
+    dtype = weights_of(hf_model).lm_head_weight.dtype
+    out = {str(dtype).removeprefix("torch."): dense}
     for weight in {id(q): q for q in quantized.values()}.values():
         out[weight.format] = out.get(weight.format, 0) + weight.nbytes
     return out

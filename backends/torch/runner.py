@@ -27,6 +27,7 @@ from backends.torch.cuda_graphs import Capturer, DecodeGraphs, cuda_capturer
 from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.inputs import ModelInput
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
+from backends.torch.linears import Placement
 from backends.torch.loader import (
     check_architecture,
     checkpoint_dtype,
@@ -144,10 +145,8 @@ class TorchBackend(Backend):
         budget = kv_budget_bytes(self.device, config.kv_cache_gb, config.kv_cache_fraction)
         num_blocks = self._num_kv_blocks(kv_layout, budget, config.max_num_seqs)  # TP: agreed
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
-        self.model = PagedCausalLM(model, self.kv_cache, config)
+        self.model = PagedCausalLM(model, self.kv_cache, config, placement=self._placement())
         self.model.attention.warm_up()
-        if config.compile and self.model.compilable():
-            self.model.enable_compiled()
         self.sampler = Sampler(
             self._vocab_size(hf_config), self.device, config.max_num_seqs,
             cpu_kernels=config.cpu_kernels,
@@ -208,6 +207,11 @@ class TorchBackend(Backend):
         if self.device.type != "cuda" or config.enforce_eager or config.tensor_parallel_size > 1:
             return None
         return cuda_capturer(self.device)
+
+    def _placement(self) -> Placement | None:
+        """Tensor parallelism's placement of this rank's projections (parallel/rank.py);
+        None: the whole model on one device."""
+        return None
 
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         """KV blocks to allocate (tensor parallelism overrides it with the ranks' agreed count)."""
@@ -284,7 +288,7 @@ class TorchBackend(Backend):
         self.stager.release(seq_id)
 
     def close(self) -> None:
-        self.model.native_layers = None  # it holds every layer's K/V tensors too
+        self.model.close()  # its native stack holds every layer's K/V tensors too
         self.kv_cache.k.clear()
         self.kv_cache.v.clear()
         if self.device.type == "cuda":

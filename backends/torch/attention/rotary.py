@@ -12,10 +12,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
 
 from backends.torch.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from backends.torch.layers.custom_op import CustomOp
+from backends.torch.layers.layernorm import HeadNorms
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -31,15 +31,15 @@ class RotaryWriteKV(CustomOp):
     def __init__(
         self,
         layer: int,
-        attn: nn.Module,
+        head_norms: HeadNorms | None,
         spec: AttentionSpec,
         backend: AttentionBackend[Any],
         device: torch.device,
         kernels: ModuleType | None,
     ) -> None:
         self.layer, self.spec, self.backend = layer, spec, backend
-        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
-        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        #: the per-head RMSNorms of Q and K before rotary (Qwen3's), or None
+        self.head_norms = head_norms
         self.q_size = spec.num_heads * spec.head_dim
         self.qk_size = (spec.num_heads + spec.num_kv_heads) * spec.head_dim
         super().__init__(device, kernels)
@@ -47,7 +47,7 @@ class RotaryWriteKV(CustomOp):
     def supports_kernels(self) -> bool:
         return (
             type(self.backend).write_kv is AttentionBackend.write_kv
-            and self.q_norm is None
+            and self.head_norms is None
             and self.spec.head_dim % 2 == 0
         )
 
@@ -69,8 +69,9 @@ class RotaryWriteKV(CustomOp):
     ) -> QKV:
         """`cos` and `sin` are (N, 1, hd): they broadcast over the heads."""
         q, k, v = self._split(qkv)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: RMSNorm per head
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.head_norms is not None:  # Qwen3: RMSNorm per head
+            q_norm, k_norm = self.head_norms
+            q, k = q_norm.module(q), k_norm.module(k)
             q = q * cos + rotate_half(q) * sin  # (N, nh, hd)
             k = k * cos + rotate_half(k) * sin  # (N, nkv, hd)
         else:  # one rotary over the Q and K heads together

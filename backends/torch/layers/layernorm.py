@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -9,8 +10,22 @@ from torch import nn
 
 from backends.torch.layers.custom_op import CustomOp
 
-#: the norm modules whose formula is the kernels' `rms_norm` (weight * x / rms(x))
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+@dataclass(frozen=True)
+class NormWeights:
+    """One norm: the HF module (the reference forward) and what the kernels need of it
+    (a family file in models/ builds it)."""
+
+    module: nn.Module
+    weight: torch.Tensor
+    eps: float
+    #: whether the module computes `weight * (x / rms(x))` rounding as Carousel's `rms_norm`
+    #: kernel does (HF's Llama-style RMSNorm); else only the module itself runs it
+    kernel_formula: bool
+
+
+#: a layer's per-head RMSNorms of Q and K (Qwen3's)
+HeadNorms = tuple[NormWeights, NormWeights]
 
 
 class RMSNorm(CustomOp):
@@ -19,16 +34,13 @@ class RMSNorm(CustomOp):
     The CPU kernels do both in one pass per row, rounding where the HF module rounds.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device, kernels: ModuleType | None) -> None:
-        self.module = module
-        weight = module.weight
-        assert isinstance(weight, torch.Tensor)
-        self.weight = weight
-        self.eps = float(getattr(module, "variance_epsilon", 0.0))
+    def __init__(self, norm: NormWeights, device: torch.device, kernels: ModuleType | None) -> None:
+        self.norm = norm
+        self.module, self.weight, self.eps = norm.module, norm.weight, norm.eps
         super().__init__(device, kernels)
 
     def supports_kernels(self) -> bool:
-        return type(self.module).__name__ in RMS_NORMS
+        return self.norm.kernel_formula
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out: torch.Tensor = self._forward(x, residual)

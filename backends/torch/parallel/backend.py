@@ -24,7 +24,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from backends.torch.config import TorchBackendConfig
-from backends.torch.loader import architecture_of, check_architecture, is_hf_dir, resolve_model
+from backends.torch.loader import is_hf_dir, resolve_model
+from backends.torch.models import architecture_of, check_architecture
 from backends.torch.parallel.channel import Kind
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
 from backends.torch.parallel.rank import LoadSpec, RankBackend

@@ -1,7 +1,8 @@
 """The collectives tensor parallelism adds to the one-device forward, as wrappers.
 
-`parallelize(model, plan)` turns a `PagedCausalLM` built over a rank's shard (shard.py) into
-that rank's part of the tensor-parallel forward, Megatron-style:
+`RankPlacement(plan)`, handed to the `PagedCausalLM` built over a rank's shard (shard.py),
+makes it that rank's part of the tensor-parallel forward, Megatron-style (the model's linears
+are built with these collectives in place: linears.py):
 
 - the vocabulary-parallel embedding looks up the rows it holds (zeros elsewhere), then one
   all-reduce gives every rank the full `[N, H]` embeddings;
@@ -18,14 +19,13 @@ That is 2 all-reduces per layer, plus one for the embedding and one gather, per 
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
-from backends.torch.model import PagedCausalLM
 from backends.torch.packed import Linear
 from backends.torch.parallel.sizes import ShardPlan
 
@@ -78,24 +78,20 @@ class VocabParallelEmbedding:
         return hidden
 
 
-def _dense(linear: Any) -> Linear:
-    """`linear`, a full-precision `Linear`: ranks never get quantised copies (config.py)."""
-    assert isinstance(linear, Linear), "tensor parallelism runs no quantised linears"
-    return linear
+class RankPlacement:
+    """Rank `plan.rank`'s projections and embedding (linears.py's `Placement`): the
+    row-parallel o_proj and down, the gathered LM head, the vocabulary-parallel embedding."""
 
+    def __init__(self, plan: ShardPlan) -> None:
+        self.plan = plan
 
-def parallelize(model: PagedCausalLM, plan: ShardPlan) -> PagedCausalLM:
-    """Install the collectives of rank `plan.rank` into `model` (in place; returned)."""
-    rank = plan.rank
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, plan.vocab.start)
-    model.linears = [
-        dataclasses.replace(
-            lin,
-            o_proj=RowParallelLinear(_dense(lin.o_proj), rank),
-            down=RowParallelLinear(_dense(lin.down), rank),
-        )  # fmt: skip
-        for lin in model.linears
-    ]
-    model.lm_head_linear = GatheredLMHead(model.lm_head_linear, rank, plan.world_size)
-    model.native_layers = None  # its layers would skip the all-reduces (decode_stack.py)
-    return model
+    def row_parallel(self, linear: Linear) -> Linear:
+        return RowParallelLinear(linear, self.plan.rank)
+
+    def lm_head(self, linear: Linear) -> Linear:
+        return GatheredLMHead(linear, self.plan.rank, self.plan.world_size)
+
+    def embedding(self, embed: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight = embed.weight
+        assert isinstance(weight, torch.Tensor)
+        return VocabParallelEmbedding(weight, self.plan.vocab.start)

@@ -20,8 +20,9 @@ from transformers import AutoConfig, PreTrainedModel
 from backends.torch.config import TorchBackendConfig
 from backends.torch.kv_cache import KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import config_dtype
+from backends.torch.models import weights_of
 from backends.torch.parallel.channel import Channel
-from backends.torch.parallel.layers import parallelize
+from backends.torch.parallel.layers import RankPlacement
 from backends.torch.parallel.shard import load_shard
 from backends.torch.parallel.sizes import ModelDims, ShardPlan
 from backends.torch.parallel.step import FlatStep
@@ -59,7 +60,9 @@ class RankBackend(TorchBackend):
         # never run as one native call (config.py refuses native_layers=True)
         own = dataclasses.replace(config, device=str(device), native_layers=False)
         super().__init__(model, tokenizer, own)
-        parallelize(self.model, plan)
+
+    def _placement(self) -> RankPlacement:
+        return RankPlacement(self.plan)
 
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         return self._num_blocks
@@ -130,7 +133,7 @@ class RankBackend(TorchBackend):
             "num_kv_heads": self.kv_cache.layout.num_kv_heads,
             "first_kv_head": self.plan.kv_heads.start,
             "num_heads": len(self.plan.q_heads),
-            "vocab_rows": self.model.embed_tokens.weight.shape[0],
+            "vocab_rows": self.plan.vocab.stop - self.plan.vocab.start,
         }
 
     def free(self) -> None:
@@ -146,7 +149,7 @@ def _kv_blocks_that_fit(
     layout = KVLayout(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=shard.model.layers[0].self_attn.head_dim,
+        head_dim=weights_of(shard).layers[0].spec.head_dim,
         block_size=config.block_size,
         dtype=dtype,
     )

@@ -2,20 +2,20 @@
 
 The rank's model is the HF class built from its local config (sizes.py), so every module
 already has its shard's shape; its parameters are then read with `safe_open(...).get_slice`
-(only the rows or columns this rank owns leave the file):
+(only the rows or columns this rank owns leave the file), cut by the model family's rules (models/, `tp_rules` and `tp_replicated`; the Llama family's):
 
-- column-parallel (rows of the weight): q_proj by query heads, k_proj / v_proj by KV heads
-  (replicated when there are more ranks than KV heads), gate_proj / up_proj by intermediate
-  rows, embed_tokens / lm_head by vocabulary rows;
-- row-parallel (columns of the weight): o_proj by query heads, down_proj by intermediate
-  columns; their biases (if any) are kept whole and added on rank 0 only (layers.py);
-- replicated: every norm (input/post-attention, final, Qwen3's per-head q_norm / k_norm).
+- column-parallel (rows of the weight): the Q projection by query heads, K and V by KV heads
+  (replicated when there are more ranks than KV heads), gate and up by intermediate rows, the
+  embedding and the LM head by vocabulary rows;
+- row-parallel (columns of the weight): the output projection by query heads, down by
+  intermediate columns; their biases (if any) are kept whole and added on rank 0 only
+  (layers.py);
+- replicated: every norm (input/post-attention, final, Qwen3's per-head Q/K norms).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +24,11 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from backends.torch.models import ArchitectureFamily, architecture_of, family_of
 from backends.torch.parallel.sizes import ModelDims, ShardPlan
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
-#: (name pattern, dim, which range of the plan, in units of head_dim rows or not)
-_RULES: list[tuple[re.Pattern[str], int, str]] = [
-    (re.compile(r"(embed_tokens|lm_head)\.weight$"), 0, "vocab"),
-    (re.compile(r"q_proj\.(weight|bias)$"), 0, "q_heads"),
-    (re.compile(r"[kv]_proj\.(weight|bias)$"), 0, "kv_heads"),
-    (re.compile(r"o_proj\.weight$"), 1, "q_heads"),
-    (re.compile(r"(gate|up)_proj\.(weight|bias)$"), 0, "intermediate"),
-    (re.compile(r"down_proj\.weight$"), 1, "intermediate"),
-]
-_REPLICATED = re.compile(r"(norm\.weight|norm\.bias|o_proj\.bias|down_proj\.bias)$")
 _PER_HEAD = ("q_heads", "kv_heads")
 
 
@@ -51,22 +42,28 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / _SINGLE for name in f.keys()}  # noqa: SIM118 - not a dict
 
 
-def shard_range(name: str, plan: ShardPlan) -> tuple[int, range] | None:
-    """(dim, index range) of `name` this rank holds, None for a replicated tensor."""
-    for pattern, dim, part in _RULES:
+def shard_range(name: str, plan: ShardPlan, family: ArchitectureFamily) -> tuple[int, range] | None:
+    """(dim, index range) of `name` this rank holds, None for a replicated tensor (by the
+    family's rules, models/)."""
+    for pattern, dim, part in family.tp_rules:
         if pattern.search(name):
             heads: range = getattr(plan, part)
             if part not in _PER_HEAD:
                 return dim, heads
             hd = plan.dims.head_dim
             return dim, range(heads.start * hd, heads.stop * hd)
-    if _REPLICATED.search(name):
+    if family.tp_replicated.search(name):
         return None
     raise ValueError(f"no tensor-parallel rule for the parameter {name!r}")
 
 
 def read_shard(
-    files: dict[str, Path], names: list[str], plan: ShardPlan, dtype: torch.dtype, device: str
+    files: dict[str, Path],
+    names: list[str],
+    plan: ShardPlan,
+    family: ArchitectureFamily,
+    dtype: torch.dtype,
+    device: str,
 ) -> dict[str, torch.Tensor]:
     """This rank's slice of each tensor in `names`, read from `files` (by name)."""
     out: dict[str, torch.Tensor] = {}
@@ -76,7 +73,7 @@ def read_shard(
     for path, file_names in by_file.items():
         with safe_open(str(path), "pt", device=device) as f:
             for name in file_names:
-                part = shard_range(name, plan)
+                part = shard_range(name, plan, family)
                 view = f.get_slice(name)
                 if part is None:
                     tensor = view[:]
@@ -105,10 +102,10 @@ def load_shard(
     missing = [n for n in names if n not in files]
     if missing:
         raise ValueError(f"{model_dir} lacks the tensors {missing[:4]}")
-    tensors = read_shard(files, names, plan, dtype, device)
+    tensors = read_shard(files, names, plan, family_of(architecture_of(config)), dtype, device)
     model.load_state_dict(tensors, strict=False, assign=True)
     if tied:  # the same vocabulary rows serve the embedding and the LM head
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model.to(device)  # the rotary buffers
     if (model_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(model_dir)

@@ -1,15 +1,16 @@
-"""A decode-only step's decoder layers in one native call (cpu_kernels' `DecodeStack`).
+"""The native stack: a decode-only step's decoder layers in one call of cpu_kernels'
+`DecodeStack`; every other step eager.
 
-`PagedCausalLM._eager_layers` calls nine of Carousel's CPU kernels per layer from Python;
+The eager stack (eager.py) calls nine of Carousel's CPU kernels per layer from Python;
 at SmolLM2's 30 layers the Python between those calls was about 2 ms of a bf16 step, a
 quarter of it at one sequence (docs/benchmarks.md). `DecodeStack` holds every
 layer's packed weights, norms and K/V cache tensors once and calls the same kernels in the
 same order in C++, so its output is bit for bit the Python loop's.
 
 It runs a step only where that loop would call exactly those kernels: every token a decode
-(`cpu_paged` attention's pure decode step), the token count within the native pack plan's
-window, and `model.linears` still the ones it was built from (tensor parallelism swaps in
-row-parallel linears; `--compile` rebuilds them).
+(`cpu_paged` attention's pure decode step) and the token count within the native pack plan's
+window. It is never chosen where something sits between the kernels (tensor parallelism's
+all-reduces) or where `--compile` runs the layers (stacks/__init__.py).
 
 `--quantization`: where a layer's projections are `QuantLinear`s (layers/quant_linear.py),
 the stack holds their weight-only copies too and, in a step of at most their `max_rows` rows,
@@ -30,8 +31,10 @@ from backends.torch.attention.base import AttentionMetadata, AttentionSpec
 from backends.torch.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
 from backends.torch.kv_cache import KVCache
 from backends.torch.layers.quant_linear import QuantLinear
+from backends.torch.models.base import PROJECTIONS
 from backends.torch.packed import Linear, PackPlan
-from backends.torch.quantization import PROJECTIONS
+from backends.torch.stacks import Rope
+from backends.torch.stacks.eager import EagerStack
 
 
 class NativeDecodeLayers:
@@ -99,14 +102,13 @@ class NativeDecodeLayers:
             quantized_rows = op_rows
         return cls(stack, linears, plan, quantized_rows, op_rows)
 
-    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata, linears: Sequence[Any]) -> bool:
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step is one the stack runs exactly as the Python loop would."""
         rows = hidden.shape[0]
         return (
             isinstance(meta, CpuPagedMetadata)
             and meta.all_decodes
             and self.plan.min_rows <= rows <= self.plan.max_rows
-            and linears is self.linears
             and (rows > self.op_rows or rows <= self.quantized_rows)
         )
 
@@ -146,3 +148,17 @@ def _stack_runs(ops: Sequence[tuple[int, str, QuantLinear]]) -> bool:
     gates = {index for index, key, _ in ops if key == "gate"}
     ups = {index for index, key, _ in ops if key == "up"}
     return gates == ups
+
+
+class NativeStack:
+    """Decode-only steps the native call takes (`NativeDecodeLayers.takes`), the rest eager."""
+
+    name = "native"
+
+    def __init__(self, native: NativeDecodeLayers, eager: EagerStack) -> None:
+        self.native, self.eager = native, eager
+
+    def __call__(self, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        if self.native.takes(hidden, meta):
+            return self.native(hidden, rope, meta)
+        return self.eager(hidden, rope, meta)

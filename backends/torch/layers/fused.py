@@ -10,51 +10,44 @@ becomes the only copy: the HF modules' own `weight`/`bias` parameters are re-poi
 slices (views) of it, so memory does not grow and the HF model (used by `generate` in the
 oracle tests and by other arms sharing these weights) keeps computing exactly what it did.
 
-Fusing is idempotent: a layer already fused (by another backend over the same weights)
-reuses its fused tensors. Correctness never depends on the views staying shared: if the HF
+Fusing is idempotent: modules already fused (by another backend over the same weights)
+reuse their fused tensors. Correctness never depends on the views staying shared: if the HF
 model is later moved or cast, its parameters become new tensors and this fused copy simply
 stops being shared.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class FusedLayer:
-    """One decoder layer's fused Q/K/V projection."""
-
-    qkv_weight: torch.Tensor  # (q + 2 * kv, H): rows of q_proj, k_proj, v_proj
-    qkv_bias: torch.Tensor | None  # (q + 2 * kv,) when the projections have biases (Qwen2)
-
+from backends.torch.layers.weights import LinearWeights
 
 _CACHE_ATTR = "_carousel_fused"
 
 
-def fuse_layer(layer: Any) -> FusedLayer:
-    """The fused projections of one HF decoder layer (re-pointing its params to views).
+def fuse_rows(owner: Any, key: str, modules: Sequence[Any]) -> LinearWeights:
+    """The row-wise concatenation of `modules`' weights (and biases, where the first has one),
+    cached on `owner` under `key`; each module's params are re-pointed to views of it.
 
-    `layer` is duck-typed: any HF decoder layer with `self_attn.{q,k,v}_proj` Linears.
+    `modules` are duck-typed: anything with `weight` and `bias` params (nn.Linear).
     """
-    cached: FusedLayer | None = getattr(layer, _CACHE_ATTR, None)
-    if cached is not None and _still_shared(layer, cached):
+    cache: dict[str, LinearWeights] = owner.__dict__.setdefault(_CACHE_ATTR, {})
+    cached = cache.get(key)
+    if cached is not None and _still_shared(modules[0], cached):
         return cached
-    attn = layer.self_attn
-    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    fused = FusedLayer(
-        qkv_weight=_concat_rows(qkv, "weight"),
-        qkv_bias=_concat_rows(qkv, "bias") if attn.q_proj.bias is not None else None,
+    fused = LinearWeights(
+        weight=_concat_rows(modules, "weight"),
+        bias=_concat_rows(modules, "bias") if modules[0].bias is not None else None,
     )
-    setattr(layer, _CACHE_ATTR, fused)
+    cache[key] = fused
     return fused
 
 
-def _concat_rows(modules: list[Any], name: str) -> torch.Tensor:
+def _concat_rows(modules: Sequence[Any], name: str) -> torch.Tensor:
     """Concatenate the modules' `name` params along dim 0; make each param a view of it."""
     with torch.no_grad():
         fused = torch.cat([getattr(m, name).detach() for m in modules], dim=0)
@@ -66,11 +59,11 @@ def _concat_rows(modules: list[Any], name: str) -> torch.Tensor:
     return fused
 
 
-def _still_shared(layer: Any, fused: FusedLayer) -> bool:
-    """Whether the layer's params still live inside `fused` (no move or cast since)."""
-    q = layer.self_attn.q_proj.weight
+def _still_shared(first: Any, fused: LinearWeights) -> bool:
+    """Whether the first module's params still live inside `fused` (no move or cast since)."""
+    weight = first.weight
     return (
-        q.data_ptr() == fused.qkv_weight.data_ptr()
-        and q.dtype == fused.qkv_weight.dtype
-        and q.device == fused.qkv_weight.device
+        weight.data_ptr() == fused.weight.data_ptr()
+        and weight.dtype == fused.weight.dtype
+        and weight.device == fused.weight.device
     )
