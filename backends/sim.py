@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.byte_tokenizer import EOS_TOKEN_ID, ByteTokenizer
+from schedulers import defaults
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.sequence import Sequence, TokenLogprob
@@ -108,7 +109,7 @@ class SimBackend(Backend):
         self,
         *,
         num_blocks: int = 1024,
-        block_size: int = 16,
+        block_size: int = defaults.BLOCK_SIZE,
         max_model_len: int = 4096,
         cost: CostModel | None = None,
         time_scale: float = 0.0,

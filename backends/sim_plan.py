@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from backends.byte_tokenizer import EOS_TOKEN_ID
 from backends.sim import CostModel, SimBackend
+from schedulers import defaults
 from schedulers.base import AdmissionError, SchedulerConfig
 from schedulers.block_manager import BlockManager
 from schedulers.registry import create_scheduler
@@ -220,6 +221,11 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+#: the plan models a GPU server as vLLM configures one (its default `max_num_seqs`), not
+#: Carousel's CPU engine (schedulers/defaults.py)
+GPU_MAX_NUM_SEQS = 256
+
+
 def simulate(
     policy: str,
     cost: CostModel,
@@ -227,8 +233,8 @@ def simulate(
     jobs: list[tuple[float, int, int]],
     *,
     max_tokens: int = 512,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
+    block_size: int = defaults.BLOCK_SIZE,
+    max_num_seqs: int = GPU_MAX_NUM_SEQS,
     max_num_batched_tokens: int = 8192,
     max_model_len: int = 4096,
     options: dict[str, object] | None = None,

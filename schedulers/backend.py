@@ -20,6 +20,8 @@ class KVCacheSpec:
 
     num_blocks: int
     block_size: int
+    #: K and V bytes of one block over every layer (0: the backend holds no tensors, the sim)
+    bytes_per_block: int = 0
 
 
 class BackendDeadError(RuntimeError):

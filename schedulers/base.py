@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from schedulers import defaults
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager, PrefixHit, blocks_for
 from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence, SequenceStatus
@@ -29,13 +30,13 @@ class SchedulerConfig:
     compile running longer (`GrammarLimits.compile_timeout_s`).
     """
 
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     enable_chunked_prefill: bool = False
     max_queue_wait_s: float | None = None
     enable_prefix_caching: bool = False
-    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_timeout_s: float = defaults.GRAMMAR_COMPILE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

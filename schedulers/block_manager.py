@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from schedulers import defaults
 from schedulers.sequence import Sequence
 
 #: the parent hash of a sequence's first block
@@ -72,7 +73,11 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int = defaults.BLOCK_SIZE,
+        *,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")

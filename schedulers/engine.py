@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from schedulers import defaults
 from schedulers.backend import Backend, BackendDeadError
 from schedulers.base import AdmissionError, SchedulerConfig
 from schedulers.batch import Batch
@@ -71,7 +72,7 @@ class Engine:
     def __init__(
         self,
         backend: Backend,
-        scheduler: str = "orca",
+        scheduler: str = defaults.SCHEDULER,
         config: SchedulerConfig | None = None,
         *,
         policy_options: Mapping[str, Any] | None = None,

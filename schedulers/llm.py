@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from schedulers import defaults
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.client import open_stream
@@ -44,7 +45,7 @@ class LLM:
     def __init__(
         self,
         backend: Backend,
-        scheduler: str = "orca",
+        scheduler: str = defaults.SCHEDULER,
         config: SchedulerConfig | None = None,
         policy_options: Mapping[str, Any] | None = None,
     ) -> None:

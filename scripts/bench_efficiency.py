@@ -130,8 +130,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
 
-    from backends.torch.device_thread import run_on_device_thread
-    from backends.torch.runner import TorchBackend
+    from backends.torch.runner.backend import TorchBackend
+    from backends.torch.runner.device_thread import run_on_device_thread
 
     backend = TorchBackend.load("default", kv_cache_gb=1.0, max_model_len=1024)
     port = free_port()

@@ -8,7 +8,7 @@ other in this process, so the ratio is meaningful on a noisy machine. "engine-ba
 backend's `execute` (flat selective-batching forward over the paged KV cache plus sampling)
 in a loop with no scheduler and no HTTP. `--compare-prepack` adds the same engine over the
 same weights with `prepack_weights=False` (plain `F.linear`), interleaved, to show what the
-oneDNN-prepacked matmuls (backends/torch/packed.py) buy.
+oneDNN-prepacked matmuls (backends/torch/layers/linear.py) buy.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import warnings
 import torch
 from transformers import DynamicCache
 
-from backends.torch.device_thread import run_on_device_thread
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.runner.device_thread import run_on_device_thread
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams

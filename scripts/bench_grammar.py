@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from backends.torch.grammar_mask import allocate_bitmask, apply_grammar_bitmask
 from backends.torch.loader import resolve_model
+from backends.torch.sample.grammar_mask import allocate_bitmask, apply_grammar_bitmask
 from gateway.api.outputs.tools import ToolChoice, check_tools, tool_grammar
 from schedulers.structured_output import (
     CompiledGrammar,
@@ -254,7 +254,7 @@ def micro(tokenizer: Any, vocab_size: int, batch_size: int, repeats: int) -> Non
 
 
 def decode(batch_size: int, steps: int, repeats: int) -> None:
-    from backends.torch.runner import TorchBackend
+    from backends.torch.runner.backend import TorchBackend
     from schedulers.batch import Batch
     from schedulers.block_manager import BlockManager
     from schedulers.sampling_params import SamplingParams

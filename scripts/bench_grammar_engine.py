@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from backends.torch.device_thread import run_on_device_thread
-from backends.torch.grammar_mask import GrammarMask
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.runner.device_thread import run_on_device_thread
+from backends.torch.sample.grammar_mask import GrammarMask
 from schedulers.base import Scheduler, SchedulerConfig
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager

@@ -64,9 +64,9 @@ def step_times(
 ) -> tuple[list[float], list[float]]:
     """(seconds per decode step, seconds of it inside collectives) of `batch` sequences."""
     import backends.torch.parallel.layers as layers
-    from backends.torch.device_thread import run_on_device_thread
     from backends.torch.parallel.backend import TensorParallelBackend
-    from backends.torch.runner import TorchBackend
+    from backends.torch.runner.backend import TorchBackend
+    from backends.torch.runner.device_thread import run_on_device_thread
     from schedulers.batch import Batch
     from schedulers.block_manager import BlockManager
     from schedulers.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from backends.torch.runner import TorchBackend  # noqa: E402
+from backends.torch.runner.backend import TorchBackend  # noqa: E402
 from backends.torch.testing.fixed_texts import PASSAGES, QUESTIONS  # noqa: E402
 from backends.torch.testing.teacher_forcing import (  # noqa: E402
     engine_greedy,

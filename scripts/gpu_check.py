@@ -47,7 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_forward import DecodeBatch, decode_step_s, hf_decode_tok_s  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from backends.torch.runner import TorchBackend  # noqa: E402
+from backends.torch.runner.backend import TorchBackend  # noqa: E402
 from backends.torch.testing.teacher_forcing import (  # noqa: E402
     engine_logits,
     hf_logits,

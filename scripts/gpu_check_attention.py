@@ -36,8 +36,8 @@ if str(ROOT) not in sys.path:
 
 from backends.torch.attention import create_backend  # noqa: E402
 from backends.torch.attention.base import AttentionSpec, BatchLayout  # noqa: E402
-from backends.torch.inputs import build_layout  # noqa: E402
 from backends.torch.kv_cache import KVCache, KVLayout  # noqa: E402
+from backends.torch.runner.inputs import build_layout  # noqa: E402
 
 #: (num_kv_heads, group, head_dim, window, block_size, schedule of (new tokens, cached), dtype)
 Case = tuple[int, int, int, int | None, int, list[tuple[int, int]], str]

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from backends.torch import kernels  # noqa: E402
-from backends.torch.gguf_int4 import GROUP_SIZE, Int4Blocks  # noqa: E402
+from backends.torch.quantization.gguf_int4 import GROUP_SIZE, Int4Blocks  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32)
 #: (name, out_features, in_features): SmolLM2-135M's linears

@@ -11,7 +11,7 @@
    `sdpa` backend's way (gather the block tables, one masked SDPA call).
 
 The best of `--repeats` passes; everything runs on one thread that builds nothing else (see
-backends/torch/device_thread.py), interleaved kernel by kernel.
+backends/torch/runner/device_thread.py), interleaved kernel by kernel.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def linears(dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     weights.append(torch.randn(VOCAB, HIDDEN).to(dtype) * 0.02)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     ours = [cpu_kernels.pack_weight(w) for w in weights]
-    hint = 1 if dtype == torch.bfloat16 else 16  # packed.py's oneDNN plans
+    hint = 1 if dtype == torch.bfloat16 else 16  # layers/linear.py's oneDNN plans
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in weights]
     print(f"\nlinears, {dtype}: {len(weights)} weights, {nbytes / 1e6:.0f} MB, each once a pass")
     print("| rows | Carousel ms | GB/s | oneDNN prepacked ms | GB/s | oneDNN / Carousel |")

@@ -5,7 +5,7 @@
 
 1. Read bandwidth: the best of several `sum`s over a 512 MiB fp32 tensor (bytes / time).
 2. Matmul peak per dtype: the best of `torch.mm` and a oneDNN-prepacked linear (the kernel the
-   backend uses, backends/torch/packed.py) on 2048 x 2048 operands, in FLOP/s.
+   backend uses, backends/torch/layers/linear.py) on 2048 x 2048 operands, in FLOP/s.
    Both are measured before and after the steps; the higher figure is the floor's.
 3. The bare decode step: the backend's `execute` in a loop (scripts/bench_forward.py), B
    sequences with 64-token prompts decoding together, at each B and dtype. Repeats are
@@ -44,9 +44,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_forward import decode_step_times  # noqa: E402
 
 from backends.torch.cpu_kernels import AMX_OFF, amx_from_row, native  # noqa: E402
-from backends.torch.device_thread import run_on_device_thread  # noqa: E402
-from backends.torch.packed import onednn_packs  # noqa: E402
-from backends.torch.runner import TorchBackend, cpu_has_native_bf16  # noqa: E402
+from backends.torch.layers.linear import onednn_packs  # noqa: E402
+from backends.torch.runner.backend import TorchBackend, cpu_has_native_bf16  # noqa: E402
+from backends.torch.runner.device_thread import run_on_device_thread  # noqa: E402
 
 MATMUL_N = 2048
 NO_AMX = "no-amx"

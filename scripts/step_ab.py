@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_forward import DecodeBatch  # noqa: E402
 from roofline import parse_variant  # noqa: E402
 
-from backends.torch.runner import TorchBackend  # noqa: E402
+from backends.torch.runner.backend import TorchBackend  # noqa: E402
 
 
 def main() -> None:

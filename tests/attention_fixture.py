@@ -1,7 +1,8 @@
 """The `engine_path` fixture: every way the CPU forward can run, each one test parameter.
 
 Each attention backend available on the CPU, eager, `auto`'s backend with the compiled
-decoder layer (`compile=True`, backends/torch/dense.py) where a C++ compiler is there, and
+decoder layer (`compile=True`, backends/torch/stacks/compiled_layer.py) where a C++ compiler
+is there, and
 `cpu_paged` in the `batch_invariant` mode (every token through the decode kernel). For
 `inductor_paged` it lowers `MIN_PAGED_DECODES` to 1, so every decode of the small test
 batches runs through the compiled kernel (its SDPA fallback for few decodes is `sdpa`).
@@ -15,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from backends.torch import inductor
 from backends.torch.attention import AUTO, available_backends
+from backends.torch.stacks import inductor
 
 
 @dataclass(frozen=True)

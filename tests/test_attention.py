@@ -25,9 +25,9 @@ from backends.torch.attention import (
     resolve_name,
 )
 from backends.torch.attention.base import AttentionSpec
-from backends.torch.inputs import prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.runner.inputs import prepare_inputs
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from schedulers.batch import Batch
 from schedulers.sampling_params import SamplingParams

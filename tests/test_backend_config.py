@@ -128,3 +128,42 @@ def test_the_tensor_parallel_config_refuses_what_its_ranks_cannot_honour(field: 
     with pytest.raises(ValueError, match=rf"tensor parallelism cannot honour {field}\b"):
         TorchBackendConfig(tensor_parallel_size=2, **{field: True})  # type: ignore[arg-type]
     assert getattr(TorchBackendConfig(**{field: True}), field) is True  # type: ignore[arg-type]
+
+
+#: combinations the torch backend refuses or takes (the config owns the rule)
+COMBINATIONS = [
+    {"compile": True, "quantization": "int8"},
+    {"tensor_parallel_size": 2, "compile": True},
+    {"tensor_parallel_size": 2, "quantization": "gguf"},
+    {"batch_invariant": True, "cpu_kernels": False},
+    {"batch_invariant": True, "attention_backend": "sdpa"},
+    {"tensor_parallel_size": 2},
+    {"compile": True},
+    {"batch_invariant": True},
+]
+
+
+@pytest.mark.parametrize("fields", COMBINATIONS)
+def test_the_gateway_refuses_exactly_what_the_torch_config_refuses(fields: dict[str, Any]) -> None:
+    try:
+        TorchBackendConfig(**fields)
+        refused = False
+    except ValueError:
+        refused = True
+    assert bool(TorchBackendConfig.unhonoured(fields)) is refused
+    try:
+        Settings(**fields)
+        assert not refused
+    except ValidationError as exc:
+        assert refused and "cannot honour" in str(exc)
+
+
+@pytest.mark.parametrize(
+    ("fields", "honours"),
+    [({}, True), ({"compile": True}, False), ({"tensor_parallel_size": 2}, False),
+     ({"batch_invariant": True}, False)],
+)  # fmt: skip
+def test_quantised_linears_are_honoured_only_on_the_one_path(
+    fields: dict[str, Any], honours: bool
+) -> None:
+    assert TorchBackendConfig(**fields).honours_quantization is honours

@@ -19,9 +19,9 @@ from backends.torch import kernels
 from backends.torch.attention import create_backend
 from backends.torch.attention.base import AttentionSpec
 from backends.torch.config import TorchBackendConfig
-from backends.torch.inputs import build_layout
 from backends.torch.kv_cache import KVCache, KVLayout
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.runner.inputs import build_layout
 from backends.torch.testing.fixed_texts import PASSAGES, QUESTIONS
 from backends.torch.testing.tiny_models import (
     ARCHITECTURES,

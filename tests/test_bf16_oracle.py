@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backends.torch.loader import load_model
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.fixed_texts import PASSAGES
 from backends.torch.testing.teacher_forcing import engine_logits, hf_logits, top1_agreement
 from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401

@@ -13,8 +13,8 @@ import structlog
 import torch
 from pydantic import ValidationError
 
-import backends.torch.runner as runner
-from backends.torch.runner import TorchBackend, resolve_dtype
+import backends.torch.runner.backend as runner
+from backends.torch.runner.backend import TorchBackend, resolve_dtype
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from gateway import carousel_version
 from gateway.cli import build_parser, load_settings, main

@@ -379,7 +379,7 @@ def test_switched_off_the_engine_keeps_torchs_kernels() -> None:
         "import torch\n"
         "from backends.torch import cpu_kernels\n"
         "from backends.torch.attention import available_backends, resolve_name\n"
-        "from backends.torch.packed import pack_plan\n"
+        "from backends.torch.layers.linear import pack_plan\n"
         "cpu = torch.device('cpu')\n"
         "assert cpu_kernels.native() is None\n"
         "assert cpu_kernels.unavailable_reason() == 'CAROUSEL_CPU_KERNELS=0'\n"
@@ -401,7 +401,7 @@ def test_switched_off_the_engine_keeps_torchs_kernels() -> None:
 @needs_kernels
 def test_auto_takes_the_cpu_kernels_where_they_run() -> None:
     from backends.torch.attention import resolve_name
-    from backends.torch.packed import NATIVE, pack_plan
+    from backends.torch.layers.linear import NATIVE, pack_plan
 
     cpu = torch.device("cpu")
     assert resolve_name("auto", cpu, torch.bfloat16) == "cpu_paged"
@@ -413,8 +413,8 @@ def test_auto_takes_the_cpu_kernels_where_they_run() -> None:
 
 @needs_kernels
 def test_cpu_kernels_false_keeps_torchs_kernels_in_one_backend() -> None:
-    from backends.torch.packed import NATIVE
-    from backends.torch.runner import TorchBackend
+    from backends.torch.layers.linear import NATIVE
+    from backends.torch.runner.backend import TorchBackend
     from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 
     def build(**kwargs: bool) -> TorchBackend:

@@ -1,4 +1,4 @@
-"""The CUDA-graph runner's logic on the CPU, with a fake graph (backends/torch/cuda_graphs.py).
+"""The CUDA-graph runner's logic on the CPU, with a fake graph (runner/cuda_graphs.py).
 
 The fake captures like a CUDA graph does: its outputs are static tensors, and a replay reruns
 the captured step on whatever the static input buffers hold then (the closure holds the
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedModel
 
-from backends.torch.cuda_graphs import Capturer, Graph, StepOutputs, graph_batch_sizes
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.runner.cuda_graphs import Capturer, Graph, StepOutputs, graph_batch_sizes
 from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_model, tiny_tokenizer
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM

@@ -1,4 +1,4 @@
-"""The native decode stack (decode_stack.py): decode-only steps in one call, bit for bit the
+"""The native decode stack (stacks/native.py): decode-only steps in one call, bit for bit the
 Python loop's logits (with `--quantization`'s int4 and int8 copies too), and only where that
 loop would call exactly its kernels."""
 
@@ -12,14 +12,15 @@ from typing import Any
 import pytest
 import torch
 
-from backends.torch import cpu_kernels, quantization
-from backends.torch.gguf_int4 import GROUP_SIZE, Int4Blocks
-from backends.torch.inputs import prepare_inputs
+from backends.torch import cpu_kernels
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, attention_specs
-from backends.torch.quant_weights import Int4Weight, Int8Weight, QuantizedWeight
-from backends.torch.quantization import PROJECTIONS
-from backends.torch.runner import TorchBackend
+from backends.torch.quantization import quantize as quantization
+from backends.torch.quantization.gguf_int4 import GROUP_SIZE, Int4Blocks
+from backends.torch.quantization.quantize import PROJECTIONS
+from backends.torch.quantization.weights import Int4Weight, Int8Weight, QuantizedWeight
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.runner.inputs import prepare_inputs
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from schedulers.batch import Batch
 from schedulers.sampling_params import SamplingParams

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from backends.sim import SimBackend
-from backends.torch import runner
-from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
+from backends.torch.runner import backend as runner
+from backends.torch.runner.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from gateway.arms import engine_factory
 from gateway.settings.load import Settings

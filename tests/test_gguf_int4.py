@@ -10,8 +10,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from backends.torch.gguf_int4 import Int4Blocks, int4_blocks, load_int4, save_int4, unpermute_rows
-from backends.torch.quant_weights import Int4Weight, Int8Weight
+from backends.torch.quantization.gguf_int4 import (
+    Int4Blocks,
+    int4_blocks,
+    load_int4,
+    save_int4,
+    unpermute_rows,
+)
+from backends.torch.quantization.weights import Int4Weight, Int8Weight
 
 BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 

@@ -22,7 +22,7 @@ import pytest
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
-from backends.torch.grammar_mask import allocate_bitmask
+from backends.torch.sample.grammar_mask import allocate_bitmask
 from backends.torch.testing.tiny_models import VOCAB, tiny_tokenizer
 from schedulers.structured_output import (
     CompiledGrammar,

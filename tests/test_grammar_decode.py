@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 import torch
 
-from backends.torch.grammar_mask import allocate_bitmask, apply_grammar_bitmask
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.sample.grammar_mask import allocate_bitmask, apply_grammar_bitmask
 from gateway.api.outputs.tool_parser import parse_tool_calls
 from gateway.api.outputs.tools import (
     check_tools,

@@ -10,7 +10,7 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.torch.grammar_mask import allocate_bitmask, apply_grammar_bitmask
+from backends.torch.sample.grammar_mask import allocate_bitmask, apply_grammar_bitmask
 
 BATCH, VOCAB = 6, 100  # 100 ids: 4 words, the last one partly beyond the vocab
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams

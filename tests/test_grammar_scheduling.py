@@ -30,9 +30,9 @@ import torch
 from transformers import PreTrainedModel
 
 from backends.sim import SimBackend
-from backends.torch import grammar_mask
-from backends.torch.grammar_mask import allocate_bitmask
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.sample import grammar_mask
+from backends.torch.sample.grammar_mask import allocate_bitmask
 from backends.torch.testing.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
 from schedulers.base import AdmissionError, Scheduler, SchedulerConfig
 from schedulers.batch import ExecuteOutput

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from backends.torch.grammar_mask import allocate_bitmask
 from backends.torch.loader import resolve_model
+from backends.torch.sample.grammar_mask import allocate_bitmask
 from schedulers.structured_output import (
     CompiledGrammar,
     GrammarCompiler,

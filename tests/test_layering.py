@@ -322,7 +322,7 @@ def test_hf_attribute_names_appear_in_the_family_files_only() -> None:
 def test_the_name_finder_finds_a_hf_name_outside_models(tmp_path: Path) -> None:
     (tmp_path / "backends/torch/models").mkdir(parents=True)
     (tmp_path / "backends/torch/models/llama.py").write_text("x = layer.self_attn\n")
-    (tmp_path / "backends/torch/ops.py").write_text("w = getattr(attn, 'q_norm')\n")
+    (tmp_path / "backends/torch/rope.py").write_text("w = getattr(attn, 'q_norm')\n")
     for package in ("gateway", "schedulers"):
         (tmp_path / package).mkdir()
-    assert hf_name_lines(tmp_path) == ["backends/torch/ops.py:1: w = getattr(attn, 'q_norm')"]
+    assert hf_name_lines(tmp_path) == ["backends/torch/rope.py:1: w = getattr(attn, 'q_norm')"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import ARCHITECTURES, BLOCK_SIZE, tiny_model, tiny_tokenizer
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import (
     ARCHITECTURES,
     BLOCK_SIZE,

@@ -11,8 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from backends.torch import cpu_kernels
 from backends.torch.kv_cache import KVCache, KVLayout
-from backends.torch.model import PagedCausalLM, attention_specs
-from backends.torch.packed import (
+from backends.torch.layers.linear import (
     NATIVE,
     ONEDNN,
     Linear,
@@ -21,7 +20,8 @@ from backends.torch.packed import (
     onednn_packs,
     pack_plan,
 )
-from backends.torch.runner import TorchBackend
+from backends.torch.model import PagedCausalLM, attention_specs
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.stacks.compiled import compilable
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 

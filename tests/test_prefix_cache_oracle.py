@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM, Generation

@@ -9,10 +9,10 @@ from pydantic import ValidationError
 from transformers import PreTrainedModel
 
 from backends.torch.config import TorchBackendConfig
+from backends.torch.layers.linear import Linear
 from backends.torch.layers.quant_linear import QuantLinear
-from backends.torch.packed import Linear
-from backends.torch.quant_weights import Int8Weight
-from backends.torch.runner import TorchBackend
+from backends.torch.quantization.weights import Int8Weight
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from gateway.obs.metrics import ArmGauges, GatewayMetrics
 from gateway.settings.load import Settings
@@ -126,7 +126,7 @@ def test_auto_serves_a_ggufs_blocks_whatever_the_switches_among_carousels_paths_
     monkeypatch: pytest.MonkeyPatch, kernels_compute: bool
 ) -> None:
     from backends.torch import kernels
-    from backends.torch.quantization import resolve_mode
+    from backends.torch.quantization.quantize import resolve_mode
 
     monkeypatch.setattr(kernels, "computes", lambda dtype, device_type="cpu": kernels_compute)
     model = gguf_model()
@@ -144,7 +144,7 @@ def test_r_is_timed_on_each_side_as_a_step_runs_it() -> None:
     """Where gate and up are packed together, the dense side of the MLP's first half is that
     one kernel (a step never calls the plain gate and up weights), and each pair's two sides
     compute the same thing up to the int8 rounding."""
-    from backends.torch.quantization import _all_pairs, _int8_copies
+    from backends.torch.quantization.quantize import _all_pairs, _int8_copies
 
     b = backend(quantization="none")
     linears = b.model.linears

@@ -17,7 +17,7 @@ import torch
 
 from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.loader import gguf_int4
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.fixed_texts import PASSAGES
 from backends.torch.testing.teacher_forcing import engine_logits, hf_logits, top1_agreement
 

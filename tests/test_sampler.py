@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from backends.torch.sampler import Sampler, _inverse_cdf
+from backends.torch.sample.sampler import Sampler, _inverse_cdf
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from backends.torch.sampler import Sampler
-from backends.torch.token_counts import TokenCounts
+from backends.torch.sample.sampler import Sampler
+from backends.torch.sample.token_counts import TokenCounts
 from tests.test_sampler import CPU, make_seq, random_logits, tokens_of
 
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import TINY, tiny_tokenizer
 from gateway.arms.local import LocalArm
 from schedulers.base import SchedulerConfig

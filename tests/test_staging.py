@@ -1,4 +1,4 @@
-"""The staged step inputs (backends/torch/staging.py) equal `prepare_inputs`' for random
+"""The staged step inputs (backends/torch/runner/staging.py) equal `prepare_inputs`' for random
 batches driven through the real block manager: prefills, chunked prefills, decodes, mixed
 steps, prefix hits (and the cached-block swaps after a step), preemption by recompute; and
 padded rows only ever point at the scratch KV block."""
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.torch.inputs import prepare_inputs
-from backends.torch.staging import InputStager
+from backends.torch.runner.inputs import prepare_inputs
+from backends.torch.runner.staging import InputStager
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams

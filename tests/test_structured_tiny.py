@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import TINY, tiny_tokenizer
 from backends.upstream import UpstreamConfig
 from gateway.app import create_app

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import ARCHITECTURES, BLOCK_SIZE, tiny_model, tiny_tokenizer
 from schedulers.base import SchedulerConfig
 from schedulers.client import open_stream

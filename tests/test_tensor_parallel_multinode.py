@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import SIM_MODEL
-from tests.test_gateway_cli import free_port
+from tests.serve_process import free_port
 from tests.test_tensor_parallel_faults import model_dir, wait_until  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parents[1]

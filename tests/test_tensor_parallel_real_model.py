@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backends.torch.parallel.backend import TensorParallelBackend
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams

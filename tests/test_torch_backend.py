@@ -17,9 +17,12 @@ from transformers import (
     PreTrainedModel,
 )
 
-from backends.torch import dense, inductor, loader
-from backends.torch.runner import TorchBackend
+from backends.torch import loader
+from backends.torch.runner.backend import TorchBackend
+from backends.torch.stacks import compiled_layer as dense
+from backends.torch.stacks import inductor
 from backends.torch.testing.tiny_models import BLOCK_SIZE, VOCAB, tiny_model, tiny_tokenizer
+from schedulers import defaults
 from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
 from schedulers.sampling_params import SamplingParams
@@ -120,8 +123,9 @@ def test_backend_reports_eos_context_and_kv_capacity() -> None:
     assert backend.eos_token_ids == frozenset({3, 5, 256})
     assert backend.max_model_len == 64
     # 2 layers * K,V * 16 slots * 2 kv heads * 16 dims * 4 bytes = 8 KiB a block, capped at
-    # 256 sequences of 64 tokens (4 blocks each)
-    assert backend.kv_cache_spec.num_blocks == min(int(0.01 * 1024**3) // 8192, 256 * 4)
+    # max_num_seqs (the engine's default) sequences of 64 tokens (4 blocks each)
+    cap = defaults.MAX_NUM_SEQS * 4
+    assert backend.kv_cache_spec.num_blocks == min(int(0.01 * 1024**3) // 8192, cap)
     assert backend.kv_cache_spec.block_size == 16
     assert backend.tokenizer.decode(backend.tokenizer.encode("hi there")) == "hi there"
 

@@ -32,8 +32,8 @@ import torch
 from backends.torch import kernels
 from backends.torch.attention import available_backends, create_backend, resolve_name
 from backends.torch.attention.base import AttentionSpec
-from backends.torch.inputs import prepare_inputs
 from backends.torch.kv_cache import KVCache, KVLayout
+from backends.torch.runner.inputs import prepare_inputs
 from backends.torch.testing.tiny_models import tiny_model
 from schedulers.base import SchedulerConfig
 from tests.attention_fixture import EnginePath

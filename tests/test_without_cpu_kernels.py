@@ -66,7 +66,7 @@ import pkgutil
 import torch
 
 import backends.torch
-from backends.torch.inputs import warm_up_layout
+from backends.torch.runner.inputs import warm_up_layout
 from backends.torch.kv_cache import KVCache, KVLayout
 from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.testing.tiny_models import ARCHITECTURES, BLOCK_SIZE, VOCAB, tiny_model

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from backends.torch.config import TorchBackendConfig
-from backends.torch.device_thread import call_on_own_thread
 from backends.torch.loader import checkpoint_dtype, load_model
 from backends.torch.parallel.backend import TensorParallelBackend
-from backends.torch.runner import TorchBackend, resolve_device, resolve_dtype
+from backends.torch.runner.backend import TorchBackend, resolve_device, resolve_dtype
+from backends.torch.runner.device_thread import call_on_own_thread
 
 __all__ = [
     "TensorParallelBackend",

@@ -8,20 +8,21 @@ picklable: the tensor-parallel ranks receive it whole.
 `model`: what loader.py resolves (`default`, an HF directory, a `.gguf` file, a hub id).
 `device`: cuda when available, else cpu (None). `dtype`: "bfloat16", "float32", ... (None:
 bf16 on cuda and on a CPU with AMX or AVX512-BF16, else fp32; a model handed in on CPU keeps
-its own). `kv_cache_gb` / `kv_cache_fraction`: the KV budget (kv_cache.py). `max_num_seqs`
-only caps the KV cache (it never holds more than that many full contexts).
-`prepack_weights`: on CPU, few-row matmuls go through prepacked weights (packed.py).
+its own). `kv_cache_gb` / `kv_cache_fraction`: the KV budget (kv_cache.py). `max_num_seqs`:
+the most sequences of one step, the scheduler's default (schedulers/defaults.py): the KV
+cache never holds more than that many full contexts, and the step buffers are sized for it.
+`prepack_weights`: on CPU, few-row matmuls go through prepacked weights (layers/linear.py).
 `attention_backend`: a name from attention/ (`auto` is `cpu_paged` where Carousel's CPU
 kernels run, else `sdpa`). `cpu_kernels`: Carousel's AVX-512 kernels (cpu_kernels/) where
 they build. `fuse_mlp`: with those kernels, a SiLU MLP's gate, up and activation as one
 kernel. `native_layers`: with those kernels, a decode-only step runs every layer in one
-native call (decode_stack.py); None runs it where it can, True also refuses a backend that
+native call (stacks/native.py); None runs it where it can, True also refuses a backend that
 never can (tensor parallelism), False keeps the Python loop (A/B runs). `compile`: the dense
-part of every layer through one torch.compile'd graph (dense.py). `enforce_eager`: on CUDA,
-no CUDA graphs (cuda_graphs.py; vLLM's flag): every step runs eager.
+part of every layer through one torch.compile'd graph (stacks/compiled_layer.py).
+`enforce_eager`: on CUDA, no CUDA graphs (cuda_graphs.py; vLLM's flag): every step runs eager.
 `tensor_parallel_size`: split the model over this many ranks (parallel/).
 `quantization` (vLLM's spelling): `auto`, `gguf`, `int8`, `none`; weight-only quantised
-copies of the linears for small steps (quantization.py); `quantization_max_rows`: the most
+copies of the linears for small steps (quantization/); `quantization_max_rows`: the most
 rows a step may have to take them (None: measured at load).
 `batch_invariant` (vLLM's `VLLM_BATCH_INVARIANT`): a sequence's logits never depend on what else
 is in its step: every linear takes Carousel's packed kernel at any row count (no int4 / bf16
@@ -32,10 +33,14 @@ kernels only, `quantization` `auto` serving `none` (docs/batch-invariance.md).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from schedulers import defaults
 
 DEFAULT_MODEL = "default"
-DEFAULT_MAX_NUM_SEQS = 256
 AUTO = "auto"
 QUANTIZATIONS = (AUTO, "gguf", "int8", "none")
 QUANTIZED = ("gguf", "int8")  # what `auto` never forces on a backend that cannot run it
@@ -50,9 +55,9 @@ class TorchBackendConfig:
     dtype: str | None = None
     kv_cache_gb: float | None = None
     kv_cache_fraction: float | None = None
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     max_model_len: int | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     prepack_weights: bool = True
     attention_backend: str = AUTO
     cpu_kernels: bool = True
@@ -76,18 +81,19 @@ class TorchBackendConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        values = dataclasses.asdict(self)
         if self.compile and self.quantization in QUANTIZED:
             raise ValueError(
                 f"compile cannot honour quantization {self.quantization!r}: the compiled layer "
                 "calls the full-precision linears; drop one of them"
             )
-        conflicts = self.conflicts_with_batch_invariance()
+        conflicts = _batch_invariance_conflicts(values)
         if self.batch_invariant and conflicts:
             raise ValueError(
                 f"batch_invariant cannot be honoured with {', '.join(conflicts)}: those paths "
                 "choose their kernels by the step's rows (docs/batch-invariance.md); drop one"
             )
-        unhonoured = self.unsupported_by_tensor_parallel()
+        unhonoured = _refused_by_tensor_parallel(values)
         if self.tensor_parallel_size > 1 and unhonoured:
             raise ValueError(
                 f"tensor parallelism cannot honour {', '.join(unhonoured)}: its ranks run the "
@@ -95,25 +101,54 @@ class TorchBackendConfig:
                 "(docs/parallelism.md); drop it or use tensor_parallel_size 1"
             )
 
-    def unsupported_by_tensor_parallel(self) -> list[str]:
-        """The settings given here that a tensor-parallel rank cannot honour."""
-        names = []
-        if self.compile:
-            names.append("compile")
-        if self.native_layers:
-            names.append("native_layers")
-        if self.quantization in QUANTIZED:
+    @classmethod
+    def unhonoured(cls, values: Mapping[str, Any]) -> list[str]:
+        """The settings among `values` (field name -> value; the fields not named at their
+        defaults) this backend cannot honour together: what building the config refuses,
+        asked without building one. The gateway refuses them at start-up, by name, from
+        here (this module imports no torch)."""
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        given = {**fields, **{k: v for k, v in values.items() if k in fields}}
+        parallel = given["tensor_parallel_size"] > 1
+        names = [n for n in ("compile", "native_layers") if parallel and given[n]]
+        if given["batch_invariant"] and _batch_invariance_conflicts(given):
+            names.append("batch_invariant")
+        if given["quantization"] in QUANTIZED and (parallel or given["compile"]):
             names.append("quantization")
         return names
 
+    @property
+    def honours_quantization(self) -> bool:
+        """Whether quantised linears may run with the rest of this config (no tensor
+        parallelism, compile or batch invariance): `auto` serves a GGUF's own blocks only
+        then (quantization.resolve_mode)."""
+        return not self.unhonoured({**dataclasses.asdict(self), "quantization": QUANTIZED[-1]})
+
+    def unsupported_by_tensor_parallel(self) -> list[str]:
+        """The settings given here that a tensor-parallel rank cannot honour."""
+        return _refused_by_tensor_parallel(dataclasses.asdict(self))
+
     def conflicts_with_batch_invariance(self) -> list[str]:
         """The settings given here that `batch_invariant` cannot run with."""
-        named = {
-            "quantization": self.quantization in QUANTIZED,
-            "compile": self.compile,
-            "tensor_parallel_size": self.tensor_parallel_size > 1,
-            "cpu_kernels": not self.cpu_kernels,
-            "prepack_weights": not self.prepack_weights,
-            "attention_backend": self.attention_backend not in (AUTO, "cpu_paged"),
-        }
-        return [name for name, conflicts in named.items() if conflicts]
+        return _batch_invariance_conflicts(dataclasses.asdict(self))
+
+
+def _refused_by_tensor_parallel(values: Mapping[str, Any]) -> list[str]:
+    """What a tensor-parallel rank cannot run: the compiled layer, the native stack and
+    quantised linears (its row-parallel linears all-reduce between the kernels)."""
+    names = [n for n in ("compile", "native_layers") if values[n]]
+    return [*names, "quantization"] if values["quantization"] in QUANTIZED else names
+
+
+def _batch_invariance_conflicts(values: Mapping[str, Any]) -> list[str]:
+    """The settings that choose a kernel by the step's rows, or leave Carousel's CPU kernels
+    out: what `batch_invariant` cannot run with."""
+    named = {
+        "quantization": values["quantization"] in QUANTIZED,
+        "compile": values["compile"],
+        "tensor_parallel_size": values["tensor_parallel_size"] > 1,
+        "cpu_kernels": not values["cpu_kernels"],
+        "prepack_weights": not values["prepack_weights"],
+        "attention_backend": values["attention_backend"] not in (AUTO, "cpu_paged"),
+    }
+    return [name for name, conflicts in named.items() if conflicts]

@@ -60,18 +60,30 @@ def kv_budget_bytes(
 def plan_num_blocks(
     layout: KVLayout, budget_bytes: int, max_model_len: int, max_num_seqs: int
 ) -> int:
-    """Blocks that fit in `budget_bytes`, capped at `max_num_seqs` full-length sequences."""
+    """Blocks that fit in `budget_bytes`, capped at `max_num_seqs` full-length sequences.
+
+    A budget that cannot hold one `max_model_len`-token sequence is refused, naming what it
+    holds and what one sequence needs (`carousel serve` logs it as `arm_load_failed`).
+    """
+    per_seq = blocks_for(max_model_len, layout.block_size)
     fit = budget_bytes // layout.bytes_per_block
-    cap = blocks_for(max_model_len, layout.block_size) * max_num_seqs
-    num_blocks = min(fit, cap)
-    if num_blocks < blocks_for(max_model_len, layout.block_size):
-        need_gb = blocks_for(max_model_len, layout.block_size) * layout.bytes_per_block / GIB
+    if fit < per_seq:
+        size = layout.block_size
         raise ValueError(
-            f"KV budget of {budget_bytes / GIB:.3f} GiB holds {num_blocks} blocks, fewer than one "
-            f"{max_model_len}-token sequence needs ({need_gb:.3f} GiB); raise kv_cache_gb or "
-            "lower max_model_len"
+            f"the KV cache cannot hold one {max_model_len}-token sequence (max_model_len): "
+            f"its budget of {_size(budget_bytes)} holds {fit} blocks of {size} tokens "
+            f"({fit * size} tokens), one sequence needs {per_seq} blocks "
+            f"({per_seq * size} tokens, {_size(per_seq * layout.bytes_per_block)}); raise "
+            "kv_cache_gb (kv_cache_fraction on CUDA) or lower max_model_len"
         )
-    return num_blocks
+    return min(fit, per_seq * max_num_seqs)
+
+
+def _size(nbytes: int) -> str:
+    """`nbytes` in GiB, or in MiB below 1 GiB (a refusal's budget may be a few MiB)."""
+    if nbytes >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 class KVCache:

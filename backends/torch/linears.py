@@ -4,10 +4,10 @@
 built; so does this): from a model's weights record (models/) and the config it decides, per
 projection, in order and once:
 
-1. dense: a `Linear` over the weight, prepacked where the pack plan pays (packed.py), and the
+1. dense: a `Linear` over the weight, prepacked where the pack plan pays (layers/linear.py), and the
    MLP's gate and up packed together where Carousel's kernels fuse them with the SiLU (`GateUp`);
 2. quantised: a `QuantLinear` over that `Linear` where `--quantization` gives it an int4 or
-   int8 copy (quantization.py measures the rows it wins for);
+   int8 copy (quantization/quantize.py measures the rows it wins for);
 3. placed: tensor parallelism's row-parallel `o_proj` and `down` and its gathered LM head
    (`Placement`, parallel/layers.py).
 
@@ -26,9 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from backends.torch.config import TorchBackendConfig
-from backends.torch.layers.quant_linear import QuantLinear
-from backends.torch.models import DecoderLayerWeights, ModelWeights
-from backends.torch.packed import (
+from backends.torch.layers.linear import (
     GateUp,
     Linear,
     PackPlan,
@@ -36,7 +34,9 @@ from backends.torch.packed import (
     cached_linear,
     fusable_gate_up,
 )
-from backends.torch.quantization import QuantizationReport, quantize_linears
+from backends.torch.layers.quant_linear import QuantLinear
+from backends.torch.models import DecoderLayerWeights, ModelWeights
+from backends.torch.quantization.quantize import QuantizationReport, quantize_linears
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,15 @@ from transformers import (
 )
 
 from backends.torch.cache_dir import cache_dir
-from backends.torch.gguf_int4 import INT4_FILE, Int4Blocks, load_int4, read_int4, save_int4
 from backends.torch.models import architecture_of, check_architecture
 from backends.torch.progress import reported_phase
+from backends.torch.quantization.gguf_int4 import (
+    INT4_FILE,
+    Int4Blocks,
+    load_int4,
+    read_int4,
+    save_int4,
+)
 from schedulers.load_phase import CONVERTING_MODEL, LOADING_MODEL, load_phase
 
 DEFAULT_MODEL = "default"
@@ -128,7 +134,7 @@ def ensure_converted(gguf_path: Path, target: Path) -> Path:
 
 
 def gguf_int4(ref: str) -> dict[str, Int4Blocks]:
-    """The 4-bit blocks of the GGUF `ref` names, by HF module name (gguf_int4.py).
+    """The 4-bit blocks of the GGUF `ref` names, by HF module name (quantization/gguf_int4.py).
 
     Read from the file once and cached beside the converted model (`INT4_FILE`), under the
     conversion's lock. Raises ValueError where `ref` is no GGUF.

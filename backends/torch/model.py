@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from backends.torch import inductor, inputs, kernels
+from backends.torch import kernels
 from backends.torch.attention import create_backend
 from backends.torch.attention.base import AttentionSpec, BatchLayout
 from backends.torch.attention.rotary import RotaryWriteKV
@@ -31,11 +31,12 @@ from backends.torch.config import TorchBackendConfig
 from backends.torch.kv_cache import KVCache
 from backends.torch.layers.activation import GateUpSilu
 from backends.torch.layers.layernorm import RMSNorm
+from backends.torch.layers.linear import PackPlan, invariant_plan, pack_plan
 from backends.torch.linears import LayerLinears, Placement, build_linears
 from backends.torch.models import ModelWeights, weights_of
-from backends.torch.packed import PackPlan, invariant_plan, pack_plan
-from backends.torch.quantization import resolve_mode
-from backends.torch.stacks import LayerStack
+from backends.torch.quantization.quantize import resolve_mode
+from backends.torch.runner import inputs
+from backends.torch.stacks import LayerStack, inductor
 from backends.torch.stacks.compiled import CompiledStack, compilable
 from backends.torch.stacks.eager import EagerStack, LayerOps
 from backends.torch.stacks.native import NativeDecodeLayers, NativeStack
@@ -91,14 +92,14 @@ class PagedCausalLM:
         self.device = weight.device
         plan = pack_plan(weight.device, weight.dtype, native=cpu_kernels)
         plan = plan if config.prepack_weights else None
-        if config.batch_invariant:  # one kernel for every row count (packed.py)
+        if config.batch_invariant:  # one kernel for every row count (layers/linear.py)
             plan = invariant_plan(plan)
         self.dense_kernels = _dense_kernels(weights) if cpu_kernels else None
         if config.batch_invariant and self.dense_kernels is None:
             # torch's own norms may split a row's sum across threads when rows are few
             raise ValueError("batch_invariant needs Carousel's CPU kernels for this model's ops")
         self._plan = plan
-        # the graph calls gate and up one by one (dense.py): no GateUp for it
+        # the graph calls gate and up one by one (stacks/compiled_layer.py): no GateUp for it
         compiled = config.compile and placement is None and compilable(self.specs)
         linears = build_linears(
             hf_model, weights, config,
@@ -191,7 +192,7 @@ class PagedCausalLM:
 
     @property
     def plan(self) -> PackPlan | None:
-        """When the linears take their packed copies (packed.py), None: never."""
+        """When the linears take their packed copies (layers/linear.py), None: never."""
         return self._plan
 
     @torch.inference_mode()

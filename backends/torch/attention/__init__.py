@@ -15,41 +15,34 @@ tests), and `auto` never picks it there. On the 2-core CPU `cpu_paged` cut the b
 decode step at B = 64 by a quarter (docs/benchmarks/history/). `inductor_paged` was faster
 than `sdpa` only in bf16 at B >= 32 (-11% at B = 64), slower in fp32 at B >= 32, and costs
 a 2-4 s compile.
-A new backend is one module with an `AttentionBackend` subclass plus one line in `_BACKENDS`.
+Each backend answers for itself where it runs (`why_unavailable`: device, cache dtype, head
+size) and whether `auto` takes it (`preferred_on`); `auto` asks them in `_AUTO_ORDER`. A new
+backend is one module with an `AttentionBackend` subclass plus one line in `_BACKENDS` (and
+its place in `_AUTO_ORDER` if `auto` should ever take it).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from backends.torch import kernels
 from backends.torch.attention.base import AttentionBackend, AttentionSpec
 from backends.torch.kv_cache import KVCache
 
 AUTO = "auto"
 
-
-@dataclass(frozen=True)
-class _Entry:
-    target: str  # "module:Class", imported on first use
-    devices: tuple[str, ...]  # device types it runs on
-
-
+#: name -> "module:Class", imported on first use
 _BACKENDS = {
-    "sdpa": _Entry("backends.torch.attention.sdpa:SDPABackend", ("cpu", "cuda", "mps", "xpu")),
-    "inductor_paged": _Entry(
-        "backends.torch.attention.inductor_paged:InductorPagedBackend", ("cpu",)
-    ),
-    "cpu_paged": _Entry("backends.torch.attention.cpu_paged:CpuPagedBackend", ("cpu",)),
-    "triton_paged": _Entry(
-        "backends.torch.attention.triton_paged:TritonPagedBackend", ("cuda", "cpu")
-    ),
+    "sdpa": "backends.torch.attention.sdpa:SDPABackend",
+    "inductor_paged": "backends.torch.attention.inductor_paged:InductorPagedBackend",
+    "cpu_paged": "backends.torch.attention.cpu_paged:CpuPagedBackend",
+    "triton_paged": "backends.torch.attention.triton_paged:TritonPagedBackend",
 }
+#: what `auto` asks, best first; the reference, which runs anywhere, last
+_AUTO_ORDER = ("cpu_paged", "triton_paged", "sdpa")
 
 
 def backend_names() -> list[str]:
@@ -57,59 +50,58 @@ def backend_names() -> list[str]:
     return list(_BACKENDS)
 
 
+def backend_class(name: str) -> type[AttentionBackend[Any]]:
+    """The class registered as `name` (its module imported now); ValueError if unknown."""
+    target = _BACKENDS.get(name)
+    if target is None:
+        known = ", ".join([AUTO, *_BACKENDS])
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: {known}")
+    module_name, _, class_name = target.partition(":")
+    cls: type[AttentionBackend[Any]] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
 def available_backends(device: torch.device) -> list[str]:
     """The registered backends that can run on `device` in this environment."""
-    from backends.torch import inductor
-
-    names = [n for n, e in _BACKENDS.items() if device.type in e.devices]
-    if not inductor.compiler_available():
-        names = [n for n in names if not n.startswith("inductor")]
-    if "cpu_paged" in names and kernels.native() is None:
-        names.remove("cpu_paged")
-    if "triton_paged" in names and kernels.triton_why_off(device.type) is not None:
-        names.remove("triton_paged")
-    return names
+    return [n for n in _BACKENDS if backend_class(n).why_unavailable(device) is None]
 
 
 def resolve_name(
-    name: str, device: torch.device, dtype: torch.dtype | None = None, *, native: bool = True
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    *,
+    native: bool = True,
+    head_dim: int = 0,
 ) -> str:
-    """`name`, or for `auto` the best backend available on `device` for a `dtype` cache.
+    """`name`, or for `auto` the best backend available on `device` for a `dtype` cache and
+    heads of `head_dim`.
 
     `native=False`: `auto` leaves Carousel's own CPU kernels out (a name asked for is kept).
-    ValueError if `name` is unknown or does not run on `device`.
+    ValueError if `name` is unknown or does not run there.
     """
     if name == AUTO:
-        if (
-            native
-            and device.type == "cpu"
-            and kernels.computes(dtype)
-            and "cpu_paged" in available_backends(device)
-        ):
-            return "cpu_paged"
-        if (
-            device.type == "cuda"
-            and dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and kernels.triton_why_off("cuda") is None
-        ):
-            return "triton_paged"
-        return "sdpa"
-    entry = _BACKENDS.get(name)
-    if entry is None:
-        known = ", ".join([AUTO, *_BACKENDS])
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: {known}")
-    if device.type not in entry.devices:
-        raise ValueError(
-            f"attention backend {name!r} runs on {', '.join(entry.devices)}, not {device.type}"
+        return next(
+            n for n in _AUTO_ORDER if _auto_takes(backend_class(n), device, dtype, native, head_dim)
         )
-    if name == "cpu_paged" and kernels.native() is None:
-        raise ValueError(
-            f"attention backend 'cpu_paged' needs Carousel's CPU kernels: {kernels.why_off()}"
-        )
-    why_no_triton = kernels.triton_why_off(device.type)
-    if name == "triton_paged" and why_no_triton is not None:
-        raise ValueError(f"attention backend 'triton_paged' cannot run here: {why_no_triton}")
+    reason = backend_class(name).why_unavailable(device, dtype, head_dim)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} {reason}")
     return name
+
+
+def _auto_takes(
+    cls: type[AttentionBackend[Any]],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    native: bool,
+    head_dim: int,
+) -> bool:
+    """Whether `auto` takes `cls` here: preferred, runnable, and not left out with the CPU
+    kernels."""
+    if cls.native_decodes and not native:
+        return False
+    return cls.preferred_on(device, dtype) and cls.why_unavailable(device, dtype, head_dim) is None
 
 
 def create_backend(
@@ -123,26 +115,17 @@ def create_backend(
 ) -> AttentionBackend[Any]:
     """Build backend `name` (or `auto`'s choice, see `resolve_name`) over `kv_cache`.
 
-    `batch_invariant`: only `cpu_paged`, attending token by token (its `per_token`); ValueError
-    where that is not what `name` resolves to.
+    `batch_invariant`: only a backend that attends token by token (cpu_paged's `per_token`);
+    ValueError where that is not what `name` resolves to.
     """
     dtype = kv_cache.k[0].dtype if kv_cache.k else None
-    resolved = resolve_name(name, device, dtype, native=native)
     widest = max((spec.head_dim for spec in layers), default=0)
-    if resolved == "cpu_paged" and widest > kernels.max_head_dim():
-        if name != AUTO:
-            raise ValueError(
-                f"attention backend 'cpu_paged' supports head sizes up to "
-                f"{kernels.max_head_dim()}, not {widest}"
-            )
-        resolved = "sdpa"
-    module_name, _, class_name = _BACKENDS[resolved].target.partition(":")
-    cls: type[AttentionBackend[Any]] = getattr(importlib.import_module(module_name), class_name)
+    cls = backend_class(resolve_name(name, device, dtype, native=native, head_dim=widest))
     if not batch_invariant:
         return cls(kv_cache, layers)
-    if resolved != "cpu_paged":
+    if not cls.token_by_token:
         raise ValueError(
             f"batch_invariant needs the cpu_paged attention backend (Carousel's CPU kernels), "
-            f"not {resolved}: its decodes and prefills take different kernels"
+            f"not {cls.name}: its decodes and prefills take different kernels"
         )
     return cls(kv_cache, layers, per_token=True)  # type: ignore[call-arg]

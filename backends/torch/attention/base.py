@@ -86,11 +86,48 @@ M = TypeVar("M", bound=AttentionMetadata)
 class AttentionBackend(abc.ABC, Generic[M]):
     """Paged attention for every layer of one model on one device.
 
-    Subclasses set `name` (the registry key) and implement `build_metadata` and `attend`;
-    `write_kv` stores into the shared cache layout and rarely needs overriding.
+    Subclasses set `name` (the registry key) and `devices`, implement `build_metadata` and
+    `attend`, and answer for themselves where they run (`why_unavailable`) and whether `auto`
+    takes them (`preferred_on`); `write_kv` stores into the shared cache layout and rarely
+    needs overriding (an override sets `shared_kv_write` False).
     """
 
     name: ClassVar[str]
+    #: the device types it runs on
+    devices: ClassVar[tuple[str, ...]]
+    #: K/V go into the cache through the shared `write_kv` (so rotary may fuse the write into
+    #: its own kernel, `rotary_write_kv`)
+    shared_kv_write: ClassVar[bool] = True
+    #: its decodes run Carousel's CPU decode kernel: the native decode stack may run them, and
+    #: `auto` leaves it out when those kernels are switched off (`cpu_kernels` False)
+    native_decodes: ClassVar[bool] = False
+    #: it can attend every token as a decode over its own context (`per_token`), so a token's
+    #: output never depends on its step: what `batch_invariant` needs
+    token_by_token: ClassVar[bool] = False
+
+    @classmethod
+    def why_unavailable(
+        cls, device: torch.device, dtype: torch.dtype | None = None, head_dim: int = 0
+    ) -> str | None:
+        """Why it cannot run on `device` here, over a `dtype` cache and heads of `head_dim`
+        (None or 0: not asked), as the end of a sentence naming it; None when it can."""
+        if device.type not in cls.devices:
+            return f"runs on {', '.join(cls.devices)}, not {device.type}"
+        return cls.why_not_here(device, dtype, head_dim)
+
+    @classmethod
+    def why_not_here(
+        cls, device: torch.device, dtype: torch.dtype | None, head_dim: int
+    ) -> str | None:
+        """What else keeps it off a device it runs on (its kernels, the cache dtype, the head
+        size), in `why_unavailable`'s words; None: nothing."""
+        return None
+
+    @classmethod
+    def preferred_on(cls, device: torch.device, dtype: torch.dtype | None) -> bool:
+        """Whether `auto` takes it, where it runs, on `device` for a `dtype` cache (None: not
+        known yet): only where it was measured faster than the reference (`sdpa`)."""
+        return False
 
     def __init__(self, kv_cache: KVCache, layers: Sequence[AttentionSpec]) -> None:
         if len(layers) != len(kv_cache.k):

@@ -50,6 +50,25 @@ class CpuPagedBackend(AttentionBackend[CpuPagedMetadata]):
     """Paged attention with decodes in Carousel's CPU kernel (see the module docstring)."""
 
     name = "cpu_paged"
+    devices = ("cpu",)
+    native_decodes = True
+    token_by_token = True
+
+    @classmethod
+    def why_not_here(
+        cls, device: torch.device, dtype: torch.dtype | None, head_dim: int
+    ) -> str | None:
+        if kernels.native() is None:
+            return f"needs Carousel's CPU kernels: {kernels.why_off()}"
+        if dtype is not None and not kernels.computes(dtype):
+            return f"runs float32 and bfloat16, not {dtype}"
+        if head_dim > kernels.max_head_dim():
+            return f"supports head sizes up to {kernels.max_head_dim()}, not {head_dim}"
+        return None
+
+    @classmethod
+    def preferred_on(cls, device: torch.device, dtype: torch.dtype | None) -> bool:
+        return device.type == "cpu" and kernels.computes(dtype)  # bare decode step: -25%
 
     def __init__(
         self, kv_cache: KVCache, layers: Sequence[AttentionSpec], *, per_token: bool = False

@@ -11,7 +11,8 @@ Scores and softmax are computed in fp32 whatever the cache dtype, like SDPA's CP
 Prefills run through SDPA exactly as in the reference backend (a prefill is a real matmul
 that SDPA's flash kernel does well), and so do steps with fewer than `MIN_PAGED_DECODES`
 decodes, where the gather is cheaper than the compiled call. The kernel is compiled once per
-process at start-up (`warm_up`) for dynamic sizes (backends/torch/inductor.py), so no request
+process at start-up (`warm_up`) for dynamic sizes (backends/torch/stacks/inductor.py), so no
+request
 ever waits for it.
 """
 
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.torch import inductor
 from backends.torch.attention.base import AttentionSpec, BatchLayout
 from backends.torch.attention.sdpa import SDPABackend, SDPAMetadata, prefill_all, prefill_masks
 from backends.torch.kv_cache import KVCache
+from backends.torch.stacks import inductor
 
 
 def paged_decode(
@@ -85,6 +86,15 @@ class InductorPagedBackend(SDPABackend):
     """Decodes through the compiled in-place paged kernel, prefills through SDPA."""
 
     name = "inductor_paged"
+    devices = ("cpu",)
+
+    @classmethod
+    def why_not_here(
+        cls, device: torch.device, dtype: torch.dtype | None, head_dim: int
+    ) -> str | None:
+        if not inductor.compiler_available():
+            return "needs a C++ compiler for Inductor's CPU kernels"
+        return None
 
     def __init__(self, kv_cache: KVCache, layers: Sequence[AttentionSpec]) -> None:
         super().__init__(kv_cache, layers)

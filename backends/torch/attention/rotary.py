@@ -46,9 +46,7 @@ class RotaryWriteKV(CustomOp):
 
     def supports_kernels(self) -> bool:
         return (
-            type(self.backend).write_kv is AttentionBackend.write_kv
-            and self.head_norms is None
-            and self.spec.head_dim % 2 == 0
+            self.backend.shared_kv_write and self.head_norms is None and self.spec.head_dim % 2 == 0
         )
 
     def __call__(

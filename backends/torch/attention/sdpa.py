@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,11 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
     """Paged attention through `F.scaled_dot_product_attention` (see the module docstring)."""
 
     name = "sdpa"
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "mps", "xpu")
+
+    @classmethod
+    def preferred_on(cls, device: torch.device, dtype: torch.dtype | None) -> bool:
+        return True  # the reference: `auto`'s choice wherever no faster backend runs
 
     def __init__(self, kv_cache: KVCache, layers: Sequence[AttentionSpec]) -> None:
         super().__init__(kv_cache, layers)

@@ -40,6 +40,23 @@ class TritonPagedBackend(AttentionBackend[TritonPagedMetadata]):
     """Paged attention through Carousel's Triton kernels (see the module docstring)."""
 
     name = "triton_paged"
+    devices = ("cuda", "cpu")
+    shared_kv_write = False  # its own `write_kv`: the kv_store kernel
+
+    @classmethod
+    def why_not_here(
+        cls, device: torch.device, dtype: torch.dtype | None, head_dim: int
+    ) -> str | None:
+        why_no_triton = kernels.triton_why_off(device.type)
+        if why_no_triton is not None:
+            return f"cannot run here: {why_no_triton}"
+        if dtype is not None and dtype not in DTYPES:
+            return f"runs float32, bfloat16 and float16, not {dtype}"
+        return None
+
+    @classmethod
+    def preferred_on(cls, device: torch.device, dtype: torch.dtype | None) -> bool:
+        return device.type == "cuda" and dtype in DTYPES  # on the CPU: the interpreter only
 
     def __init__(self, kv_cache: KVCache, layers: Sequence[AttentionSpec]) -> None:
         super().__init__(kv_cache, layers)

@@ -8,8 +8,8 @@ from types import ModuleType
 import torch
 
 from backends.torch.layers.custom_op import CustomOp
+from backends.torch.layers.linear import GateUp
 from backends.torch.layers.quant_linear import QuantLinear
-from backends.torch.packed import GateUp
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # a `Linear`, or a `QuantLinear` over one
 

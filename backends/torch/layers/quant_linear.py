@@ -4,19 +4,35 @@ torch's weight-only kernels are matrix-vector kernels: their cost grows with the
 they beat the full-precision weight for a quiet server's decode steps (a few rows: a quarter
 to a half of the bytes to stream) and lose badly for big batches and prefill. So each call
 chooses by its row count: at most `max_rows` rows take the quantised kernel, more take the
-full-precision `Linear` (packed.py). Both copies stay resident. `max_rows` is measured at
-load (quantization.py) or set (`--quantization-max-rows`).
+full-precision `Linear` (linear.py). Both copies stay resident. `max_rows` is measured at
+load (quantization/quantize.py) or set (`--quantization-max-rows`).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
 from backends.torch.layers.custom_op import CustomOp
-from backends.torch.packed import Linear
-from backends.torch.quant_weights import QuantizedWeight
+from backends.torch.layers.linear import Linear
+
+
+class QuantizedMatmul(Protocol):
+    """A weight-only quantised copy of an (N, K) weight (quantization/weights.py)."""
+
+    format: str
+    out_features: int
+    in_features: int
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ w.T`, (M, K) -> (M, N)."""
+        ...
+
+    def stack_args(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(weight, scales, group size) as the native decode stack takes them."""
+        ...
 
 
 class QuantLinear(CustomOp):
@@ -30,14 +46,14 @@ class QuantLinear(CustomOp):
     def __init__(
         self,
         dense: Linear,
-        quantized: QuantizedWeight,
+        quantized: QuantizedMatmul,
         max_rows: int,
         device: torch.device,
         kernels: ModuleType | None,
     ) -> None:
         self.dense, self.quantized, self.max_rows = dense, quantized, max_rows
         self.out_features = dense.out_features
-        self.native = None  # never one of Carousel's packed kernels (decode_stack.py asks)
+        self.native = None  # never one of Carousel's packed kernels (stacks/native.py asks)
         super().__init__(device, kernels)
 
     def supports_kernels(self) -> bool:

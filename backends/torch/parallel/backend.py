@@ -32,7 +32,7 @@ from backends.torch.parallel.rank import LoadSpec, RankBackend
 from backends.torch.parallel.rendezvous import DEFAULT_TIMEOUT_S
 from backends.torch.parallel.sizes import ModelDims, check_tensor_parallel_size
 from backends.torch.parallel.step import FlatStep
-from backends.torch.runner import resolve_device, with_fields
+from backends.torch.runner.backend import resolve_device, with_fields
 from schedulers.backend import Backend, BackendDeadError, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch.packed import Linear
+from backends.torch.layers.linear import Linear
 from backends.torch.parallel.sizes import ShardPlan
 
 

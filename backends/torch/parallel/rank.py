@@ -26,7 +26,7 @@ from backends.torch.parallel.layers import RankPlacement
 from backends.torch.parallel.shard import load_shard
 from backends.torch.parallel.sizes import ModelDims, ShardPlan
 from backends.torch.parallel.step import FlatStep
-from backends.torch.runner import TorchBackend, resolve_dtype
+from backends.torch.runner.backend import TorchBackend, resolve_dtype
 from schedulers.batch import Batch
 
 

@@ -2,7 +2,8 @@
 
 The rank's model is the HF class built from its local config (sizes.py), so every module
 already has its shard's shape; its parameters are then read with `safe_open(...).get_slice`
-(only the rows or columns this rank owns leave the file), cut by the model family's rules (models/, `tp_rules` and `tp_replicated`; the Llama family's):
+(only the rows or columns this rank owns leave the file), cut by the model family's rules
+(models/, `tp_rules` and `tp_replicated`; the Llama family's):
 
 - column-parallel (rows of the weight): the Q projection by query heads, K and V by KV heads
   (replicated when there are more ranks than KV heads), gate and up by intermediate rows, the

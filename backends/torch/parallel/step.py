@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.torch.inputs import ModelInput, build_layout
+from backends.torch.runner.inputs import ModelInput, build_layout
 
 #: header: [kind, instance id, tokens N, sequences B, block-table width W, logits rows R]
 HEADER_LEN = 6

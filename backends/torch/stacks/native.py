@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from backends.torch.attention.base import AttentionMetadata, AttentionSpec
-from backends.torch.attention.cpu_paged import CpuPagedBackend, CpuPagedMetadata
+from backends.torch.attention.cpu_paged import CpuPagedMetadata
 from backends.torch.kv_cache import KVCache
+from backends.torch.layers.linear import Linear, PackPlan
 from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.models.base import PROJECTIONS
-from backends.torch.packed import Linear, PackPlan
 from backends.torch.stacks import Rope
 from backends.torch.stacks.eager import EagerStack
 
@@ -69,7 +69,7 @@ class NativeDecodeLayers:
         """
         if kernels is None or plan is None or not linears:
             return None
-        if not isinstance(attention, CpuPagedBackend):
+        if not attention.native_decodes:  # decodes through cpu_paged's kernel
             return None
         kv_cache: KVCache = attention.kv_cache
         stack = kernels.DecodeStack()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from backends.torch.runner import TorchBackend
+from backends.torch.runner.backend import TorchBackend
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams

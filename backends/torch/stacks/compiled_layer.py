@@ -6,7 +6,7 @@ written over tensors instead of modules, so that one compiled graph serves every
 weights are arguments, and layers differ only in them. Inductor turns the norms, rotary,
 activation and residual adds into a few fused C++ kernels (no fp32 copies of the
 activations, no `cat`, no temporaries between them); the matmuls and attention stay opaque
-ops (ops.py).
+ops (compiled_ops.py).
 
 `TOKENS` names the one dynamic size: the number of scheduled tokens.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backends.torch import ops
+from backends.torch.stacks import compiled_ops as ops
 
 TOKENS = "tokens"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from backends.torch import kernels
-from backends.torch.gguf_int4 import GROUP_SIZE, Int4Blocks
+from backends.torch.quantization.gguf_int4 import GROUP_SIZE, Int4Blocks
 
 
 class Int4Weight:

@@ -4,7 +4,7 @@ torch.compile traces the dense per-token part of the forward (norms, rotary, MLP
 residuals) into fused C++ kernels, but two things must stay as they are:
 
 - `carousel::linear(x, weight, bias)`: the matmul through our `Linear` for that weight
-  (packed.py: oneDNN-prepacked where that pays, `F.linear` elsewhere). A prepacked weight is
+  (layers/linear.py: oneDNN-prepacked where that pays, `F.linear` elsewhere). A prepacked weight is
   an opaque oneDNN tensor that the compiler cannot trace, and Inductor would otherwise emit a
   plain `mm` that re-packs bf16 weights on every call.
 - `carousel::attention(q, k, v, layer)`: the attention backend's `write_kv` + `attend`, with
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from backends.torch.packed import Linear
+from backends.torch.layers.linear import Linear
 
 _linears: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
 

@@ -29,8 +29,9 @@ from collections.abc import Callable
 import torch
 
 from backends.torch import kernels
-from backends.torch.grammar_mask import GrammarMask
-from backends.torch.token_counts import TokenCounts
+from backends.torch.sample.grammar_mask import GrammarMask
+from backends.torch.sample.token_counts import TokenCounts
+from schedulers import defaults
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence, TokenLogprob
 
@@ -61,7 +62,7 @@ class Sampler:
         self,
         vocab_size: int,
         device: torch.device,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = defaults.MAX_NUM_SEQS,
         *,
         cpu_kernels: bool = True,
         host_branches: bool | None = None,

@@ -11,7 +11,7 @@
   reads the switches that choose among Carousel's paths (`cpu_kernels`, `native_layers`,
   `fuse_mlp`, `prepack_weights`), so an A/B of one of those never also swaps the weights;
   `gguf` forces the blocks. With Carousel's CPU kernels the quantised steps run in the native
-  decode stack (decode_stack.py): one sequence's step 1.2-1.5x faster than bf16 on the 2-core
+  decode stack (stacks/native.py): one sequence's step 1.2-1.5x faster than bf16 on the 2-core
   Zen 4, steps past `R` the same (docs/benchmarks.md).
 
 Each quantised linear (layers/quant_linear.py) takes its kernel for steps of at most `R` rows
@@ -33,14 +33,14 @@ from transformers import PreTrainedModel
 
 from backends.torch import kernels
 from backends.torch.config import QUANTIZATIONS, TorchBackendConfig
-from backends.torch.gguf_int4 import Int4Blocks
+from backends.torch.layers.linear import Linear
 from backends.torch.layers.quant_linear import QuantLinear
 from backends.torch.loader import gguf_int4, gguf_source
 from backends.torch.logs import engine_log
 from backends.torch.models import weights_of
 from backends.torch.models.base import PROJECTIONS
-from backends.torch.packed import Linear
-from backends.torch.quant_weights import Int4Weight, Int8Weight, QuantizedWeight
+from backends.torch.quantization.gguf_int4 import Int4Blocks
+from backends.torch.quantization.weights import Int4Weight, Int8Weight, QuantizedWeight
 
 log = engine_log()
 
@@ -74,9 +74,10 @@ def resolve_mode(hf_model: PreTrainedModel, config: TorchBackendConfig) -> str:
     """`config.quantization` with `auto` settled; raises ValueError for `gguf` on no GGUF."""
     mode = config.quantization
     if mode == AUTO:
-        one_path = config.tensor_parallel_size == 1 and not config.compile
-        one_path = one_path and not config.batch_invariant  # int4 only for steps of <= R rows
-        return GGUF if one_path and from_gguf_file(hf_model, config.model) else NONE
+        # NOTE: never under tensor parallelism, --compile or batch invariance (int4 only for
+        # steps of <= R rows): the config says which (TorchBackendConfig.unhonoured)
+        honoured = config.honours_quantization
+        return GGUF if honoured and from_gguf_file(hf_model, config.model) else NONE
     if mode == GGUF and not from_gguf_file(hf_model, config.model):
         raise ValueError(
             f"quantization 'gguf' needs a GGUF model (the default or a .gguf file), not "

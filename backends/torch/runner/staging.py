@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from backends.torch.attention.base import BatchLayout
-from backends.torch.inputs import ModelInput
+from backends.torch.runner.inputs import ModelInput
+from schedulers import defaults
 from schedulers.batch import Batch
 from schedulers.sequence import Sequence
 
@@ -69,7 +70,7 @@ class InputStager:
         scratch_block: int,
         device: torch.device,
         token_capacity: int = DEFAULT_TOKEN_CAPACITY,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = defaults.MAX_NUM_SEQS,
         *,
         static_device_buffer: bool | None = None,
     ) -> None:

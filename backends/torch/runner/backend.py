@@ -23,9 +23,6 @@ import torch
 from transformers import PreTrainedModel
 
 from backends.torch.config import TorchBackendConfig
-from backends.torch.cuda_graphs import Capturer, DecodeGraphs, cuda_capturer
-from backends.torch.device_thread import call_on_own_thread, run_on_device_thread
-from backends.torch.inputs import ModelInput
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.linears import Placement
 from backends.torch.loader import (
@@ -35,8 +32,11 @@ from backends.torch.loader import (
     load_model,
 )
 from backends.torch.model import PagedCausalLM, attention_specs
-from backends.torch.sampler import Sampler
-from backends.torch.staging import InputStager, StagedInput
+from backends.torch.runner.cuda_graphs import Capturer, DecodeGraphs, cuda_capturer
+from backends.torch.runner.device_thread import call_on_own_thread, run_on_device_thread
+from backends.torch.runner.inputs import ModelInput
+from backends.torch.runner.staging import InputStager, StagedInput
+from backends.torch.sample.sampler import Sampler
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import blocks_for
@@ -182,7 +182,7 @@ class TorchBackend(Backend):
         A string is the model reference of a config with the defaults and `fields`.
 
         The loading runs on a thread of its own that exits afterwards, so it leaves no
-        OpenMP pool behind to compete with the engine thread's (backends/torch/device_thread.py).
+        OpenMP pool behind to compete with the engine thread's (runner/device_thread.py).
         """
         config = with_fields(config, fields)
         target = resolve_device(config.device)
@@ -231,10 +231,11 @@ class TorchBackend(Backend):
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size)
+        cache = self.kv_cache
+        return KVCacheSpec(cache.num_blocks, cache.block_size, cache.layout.bytes_per_block)
 
     def execute(self, batch: Batch) -> ExecuteOutput:
-        """Run `batch` on the process's one device thread (backends/torch/device_thread.py)."""
+        """Run `batch` on the process's one device thread (runner/device_thread.py)."""
         return run_on_device_thread(self._execute, batch)
 
     def _execute(self, batch: Batch) -> ExecuteOutput:

@@ -25,9 +25,9 @@ from typing import Protocol
 
 import torch
 
-from backends.torch.inputs import ModelInput
 from backends.torch.logs import engine_log
-from backends.torch.staging import InputStager
+from backends.torch.runner.inputs import ModelInput
+from backends.torch.runner.staging import InputStager
 from schedulers.batch import Batch
 
 log = engine_log("carousel.cuda_graphs")
