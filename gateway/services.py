@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from gateway.api.responses.store import ResponseStore
+from gateway.api.responses.store import ResponseStore, remember_creator
 from gateway.context import RequestContext
 from gateway.obs.metrics import GatewayMetrics
 from gateway.obs.traffic_record import TrafficEntry, TrafficRecorder
@@ -25,18 +25,18 @@ class RequestServices:
     metrics: GatewayMetrics | None = None
     #: the traffic record (`--record-traffic`)
     recorder: TrafficRecorder | None = None
-    #: where the Responses API keeps `store: true` responses (None: nothing is stored, and
-    #: no `previous_response_id` is found: shadow copies)
+    #: where an upstream arm's Responses API ids are noted with the arm that created them
+    #: (None: shadow copies); local arms' Responses endpoint has the store injected
+    #: (gateway/api/table.py)
     response_store: ResponseStore | None = None
     #: told of every finished request (status, seconds since arrival): the rollouts
     on_finished: Callable[[RequestContext, int, float], None] | None = None
 
     async def remember_response(self, ctx: RequestContext, response_id: str) -> None:
-        """Note that `ctx`'s arm created `response_id` for `ctx`'s principal (GET, DELETE and
-        `previous_response_id` are routed to it, for that principal only); nothing without a
-        store."""
-        if self.response_store is not None and ctx.arm is not None:
-            await self.response_store.remember_owner(response_id, ctx.model, ctx.arm, ctx.principal)
+        """Note that `ctx`'s arm (an upstream's) created `response_id` for `ctx`'s principal;
+        nothing without a store."""
+        if self.response_store is not None:
+            await remember_creator(self.response_store, ctx, response_id)
 
     def finish(self, ctx: RequestContext, status: int, error: str | None = None) -> None:
         """Log `ctx` and count it in the metrics (only the first call per request counts)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import time
 from collections.abc import Callable
@@ -13,8 +14,10 @@ from dataclasses import dataclass, field
 import structlog
 from starlette.types import Scope
 
+from gateway.api.endpoint import Endpoint
 from gateway.api.responses.store import MemoryResponseStore, ResponseStore
-from gateway.api.table import BY_PATH
+from gateway.api.table import BY_PATH, endpoint_table
+from gateway.arms.arm import Arm
 from gateway.arms.deployment import Deployments
 from gateway.context import RequestContext
 from gateway.http.middleware import Admission
@@ -24,6 +27,7 @@ from gateway.rollout.controller import RolloutController
 from gateway.rollout.evidence import request_sample
 from gateway.services import RequestServices
 from gateway.settings.load import Settings
+from gateway.settings.rollout_metrics import ERROR
 
 log = structlog.get_logger("carousel.gateway")
 
@@ -38,6 +42,14 @@ def _freeze_gc() -> None:
     gc.collect()
     gc.freeze()
     log.info("gc_frozen", objects=gc.get_freeze_count(), seconds=round(time.monotonic() - began, 3))
+
+
+def _log_kv_cache(model: str, arm: Arm) -> None:
+    """Say what a started arm's KV cache holds, as vLLM's start-up log does (none: no local
+    engine)."""
+    gauges = arm.gauges(model)
+    if gauges is not None and gauges.kv_capacity is not None:
+        log.info("kv_cache", model=model, arm=arm.name, **gauges.kv_capacity.log_fields())
 
 
 @dataclass
@@ -64,6 +76,11 @@ class GatewayState:
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _stop_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
+    @functools.cached_property
+    def endpoints(self) -> dict[str, Endpoint]:
+        """The served endpoints by path, the Responses API's over this gateway's store."""
+        return {endpoint.path: endpoint for endpoint in endpoint_table(self.response_store)}
+
     @property
     def services(self) -> RequestServices:
         """What the requests served now use (the metrics, the traffic record, the store)."""
@@ -78,7 +95,7 @@ class GatewayState:
         if rollout is None or ctx.arm is None:
             return
         if ctx.arm_drawn is not None and ctx.arm_drawn != ctx.arm:
-            rollout.observe(ctx.arm_drawn, {"error": 1.0}, ctx.user)
+            rollout.observe(ctx.arm_drawn, {ERROR: 1.0}, ctx.user)
             return
         sample = request_sample(status, ctx.ttft_s, total_s, ctx.completion_tokens)
         rollout.observe(ctx.arm, sample, ctx.user, randomised=ctx.arm_drawn is not None)
@@ -102,6 +119,7 @@ class GatewayState:
                 if self.on_fatal is not None:
                     self.on_fatal()
                 return
+            _log_kv_cache(deployment.name, arm)
             log.info(
                 "arm_ready",
                 model=deployment.name,

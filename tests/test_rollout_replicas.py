@@ -2,7 +2,7 @@
 
 Issue 41: "killing the deciding replica mid-rollout leaves the other to finish it with no step
 skipped or repeated". Two `carousel serve --config` processes with the same `rollout:` and the
-same `--rollout-store redis://...`, each under its own `carousel bench` load, roll out from a
+same `--redis-url redis://...`, each under its own `carousel bench` load, roll out from a
 slow sim process to a 3x faster one in two advances (50% -> 75% -> 100%). Once the first
 advance is made, the replica holding the decider's lease (`decider` in `/admin/rollout`) is
 killed by its pid (SIGKILL: no clean shutdown, its lease left to expire); the survivor takes
@@ -59,7 +59,7 @@ def test_killing_the_deciding_replica_leaves_the_other_to_finish(
         config = tmp_path / "rollout.yaml"
         steps = "[25, 50, 100]"  # two advances, each step's tests at equal load
         config.write_text(rollout_yaml(baseline, candidate, "replicated", steps, control))
-        gateway = ["--config", str(config), "--rollout-store", redis_url]
+        gateway = ["--config", str(config), "--redis-url", redis_url]
         runs = [(gateway, "gateway-a"), (gateway, "gateway-b")]
         with serve_processes(runs, tmp_path) as replicas, ExitStack() as loads:
             benches = {

@@ -149,3 +149,23 @@ def _primary() -> Arm:
     arm = sim_arm(time_scale=1.0)
     arm.name = "primary"
     return arm
+
+
+def test_a_shadow_copy_of_a_stored_response_neither_keeps_nor_finds_one() -> None:
+    """The Responses store is the gateway's table's; a copy is served by the storeless one."""
+    primary, shadow = sim_arm(), shadowed(sim_arm())
+    primary.name, shadow.name = "primary", "shadow"
+    settings = Settings(backend="sim", served_model_name=SIM_MODEL)
+    app = create_app(settings, [Deployment(SIM_MODEL, [primary, shadow])])
+    with serve_app(app) as url:
+        body = {"model": SIM_MODEL, "input": "hi", "max_output_tokens": 2}
+        first = httpx.post(f"{url}/v1/responses", json=body).json()
+        after = {**body, "previous_response_id": first["id"]}
+        assert httpx.post(f"{url}/v1/responses", json=after).status_code == 200
+        total = "carousel_requests_total"
+        wait_for(lambda: series(url, total, "shadow") == 2)
+        store = app.state.gateway.response_store
+        assert len(store) == 2  # the primary's two; the copies kept none
+        metrics = httpx.get(f"{url}/metrics").text
+    continued = [line for line in metrics.splitlines() if line.startswith(total)]
+    assert any('arm="shadow"' in line and 'status="404"' in line for line in continued), continued

@@ -60,8 +60,8 @@ def replicas(
     if store == "memory":
         url = make_server(sim_arm(), **settings).url
         return url, url
-    first = make_server(sim_arm(), response_store=redis_url, **settings)
-    second = make_server(sim_arm(), response_store=redis_url, **settings)
+    first = make_server(sim_arm(), redis_url=redis_url, **settings)
+    second = make_server(sim_arm(), redis_url=redis_url, **settings)
     return first.url, second.url
 
 

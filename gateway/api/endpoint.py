@@ -2,14 +2,14 @@
 stream is framed, and how a local engine serves it.
 
 The table of served endpoints is gateway/api/table.py. An arm serves any of them through
-one method (`Arm.serve(endpoint, request, ctx, services)`): a local arm runs
-`endpoint.local`, an upstream arm forwards the body to `endpoint.upstream_path` with no
-per-endpoint code.
+one method (`Arm.serve(endpoint, request, ctx, services)`): a local arm runs the pipeline
+`endpoint.local` builds over its engine, an upstream arm forwards the body to
+`endpoint.upstream_path` with no per-endpoint code.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -18,20 +18,21 @@ from pydantic import BaseModel
 if TYPE_CHECKING:
     from gateway.api.pipeline import EngineRuntime
     from gateway.context import RequestContext
-    from gateway.services import RequestServices
 
 #: a non-streaming reply is the response body; a streaming one yields chunk payloads (JSON)
 Reply: TypeAlias = dict[str, Any] | AsyncIterator[str]
 
 
 class LocalPipeline(Protocol):
-    """How a local engine serves one endpoint's requests."""
+    """How one local engine serves one endpoint's requests."""
 
-    async def __call__(
-        self, runtime: EngineRuntime, request: Any, ctx: RequestContext, services: RequestServices
-    ) -> Reply:
+    async def __call__(self, request: Any, ctx: RequestContext) -> Reply:
         """The reply to `request` (already validated as the endpoint's request model)."""
         ...
+
+
+#: builds an endpoint's pipeline over one arm's engine (a `LocalEndpoint` subclass)
+PipelineFactory: TypeAlias = Callable[["EngineRuntime"], LocalPipeline]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ class Endpoint:
     #: the route, e.g. /v1/chat/completions
     path: str
     request_model: type[BaseModel]
-    local: LocalPipeline
+    #: its pipeline on a local arm, given that arm's engine
+    local: PipelineFactory
     stream_format: StreamFormat = OPENAI_CHUNKS
     #: whether an upstream is asked for usage with `stream_options.include_usage`
     usage_via_stream_options: bool = True

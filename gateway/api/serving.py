@@ -8,8 +8,9 @@
 An endpoint supplies only what differs: how its request becomes a plan, prompts and
 parameters (`plan`, `prompts`, `requested_max_tokens`, `logprobs`) and how outputs become
 its wire shapes (`body`, `chunks`). Chat, completions and responses are subclasses of
-`LocalEndpoint`. A grammar that cannot be served is a 400 (503 when the compiler is busy)
-before anything is queued (gateway/api/outputs/plan.py).
+`LocalEndpoint`, each built over one arm's engine (`runtime`); every hook is handed the one
+per-request object, `LocalRequest`. A grammar that cannot be served is a 400 (503 when the
+compiler is busy) before anything is queued (gateway/api/outputs/plan.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import AsyncGenerator
 from typing import Any, Generic, TypeVar
 
 from gateway.api.endpoint import Reply
+from gateway.api.local_request import LocalRequest
 from gateway.api.outputs.plan import OutputPlan, finish_compile, start_compile
 from gateway.api.payload_stream import PayloadStream
 from gateway.api.pipeline import (
@@ -34,7 +36,6 @@ from gateway.api.pipeline import (
 )
 from gateway.api.scheduling import scheduled_priority, served_for
 from gateway.context import RequestContext
-from gateway.services import RequestServices
 from schedulers.client import RequestStream
 from schedulers.sampling_params import SamplingParams
 
@@ -42,27 +43,34 @@ RequestT = TypeVar("RequestT")
 
 
 class LocalEndpoint(abc.ABC, Generic[RequestT]):
-    """How a local engine serves one endpoint: `await endpoint(runtime, req, ctx, services)`."""
+    """How one arm's engine serves one endpoint: `await ChatEndpoint(runtime)(request, ctx)`.
+
+    The endpoint table (gateway/api/table.py) names the class; a local arm builds it once
+    over its `EngineRuntime` (gateway/arms/local.py).
+    """
 
     #: the request field that holds the prompt (named by context-length errors)
     prompt_param: str = "prompt"
 
-    async def __call__(
-        self, runtime: EngineRuntime, request: Any, ctx: RequestContext, services: RequestServices
-    ) -> Reply:
+    def __init__(self, runtime: EngineRuntime) -> None:
+        self.runtime = runtime
+
+    async def __call__(self, request: Any, ctx: RequestContext) -> Reply:
+        runtime = self.runtime
         log_ignored_fields(request, ctx)
         self.check(request)
         check_stream_options(request)
         ctx.scheduler = runtime.scheduler
-        plan = await self.plan(runtime, request, ctx, services)
-        pending = start_compile(runtime.grammar_compiler, plan, ctx.principal)
-        prompts = await self.prompts(runtime, request, ctx, plan)
+        req: LocalRequest[RequestT] = LocalRequest(request, ctx)
+        req.plan = await self.plan(req)
+        pending = start_compile(runtime.grammar_compiler, req.plan, ctx.principal)
+        req.prompts = prompts = await self.prompts(req)
         ctx.prompt_tokens = sum(len(p) for p in prompts)
         requested, requested_param = self.requested_max_tokens(request)
         longest = max(len(p) for p in prompts)
         max_tokens = context_budget(requested, requested_param, longest, runtime, self.prompt_param)
-        params = self.sampling_params(runtime, request, max_tokens)
-        grammar = await finish_compile(pending, plan, runtime.options.retry_after_s)
+        params = self.sampling_params(request, max_tokens)
+        grammar = await finish_compile(pending, req.plan, runtime.options.retry_after_s)
         if grammar is not None:
             params = dataclasses.replace(params, grammar=grammar)
         params = dataclasses.replace(
@@ -75,32 +83,23 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
         ctx.accept()
         if request.stream:
-            chunks = self.chunks(runtime, request, ctx, prompts, plan, stream)
-            return PayloadStream(chunks, stream.close)
+            return PayloadStream(self.chunks(req, stream), stream.close)
         results = await collect(runtime, stream, ctx, len(prompts) * params.n)
-        body = self.body(runtime, request, ctx, prompts, plan, results)
-        await self.keep(request, ctx, plan)
+        body = self.body(req, results)
+        await self.keep(req)
         return body
 
     def check(self, request: RequestT) -> None:  # noqa: B027 - optional hook
         """Refuse, by name, fields this endpoint does not implement."""
 
-    async def plan(
-        self,
-        runtime: EngineRuntime,
-        request: RequestT,
-        ctx: RequestContext,
-        services: RequestServices,
-    ) -> OutputPlan:
+    async def plan(self, req: LocalRequest[RequestT]) -> OutputPlan:
         """The request's tools and output constraint (default: none); raise a 400 (404)
         naming the param of what cannot be served."""
         return OutputPlan()
 
     @abc.abstractmethod
-    async def prompts(
-        self, runtime: EngineRuntime, request: RequestT, ctx: RequestContext, plan: OutputPlan
-    ) -> list[list[int]]:
-        """The prompts as token ids (also setting `ctx.prompt_text` for the log)."""
+    async def prompts(self, req: LocalRequest[RequestT]) -> list[list[int]]:
+        """The prompts as token ids (also setting `req.ctx.prompt_text` for the log)."""
 
     @abc.abstractmethod
     def requested_max_tokens(self, request: RequestT) -> tuple[int | None, str]:
@@ -110,34 +109,19 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         """Alternatives per token to return (None: no logprobs)."""
         return None
 
-    def sampling_params(
-        self, runtime: EngineRuntime, request: RequestT, max_tokens: int
-    ) -> SamplingParams:
-        return sampling_params(request, runtime, max_tokens, self.logprobs(request))  # type: ignore[arg-type]
+    def sampling_params(self, request: RequestT, max_tokens: int) -> SamplingParams:
+        """The engine's parameters for `request` under the budget `max_tokens`."""
+        return sampling_params(request, self.runtime, max_tokens, self.logprobs(request))  # type: ignore[arg-type]
 
     @abc.abstractmethod
-    def body(
-        self,
-        runtime: EngineRuntime,
-        request: RequestT,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        results: list[ChoiceResult],
-    ) -> dict[str, Any]:
+    def body(self, req: LocalRequest[RequestT], results: list[ChoiceResult]) -> dict[str, Any]:
         """The non-streaming response body."""
 
-    async def keep(self, request: RequestT, ctx: RequestContext, plan: OutputPlan) -> None:  # noqa: B027
+    async def keep(self, req: LocalRequest[RequestT]) -> None:  # noqa: B027
         """After `body`: keep what the endpoint stores (the Responses API's `store`)."""
 
     @abc.abstractmethod
     def chunks(
-        self,
-        runtime: EngineRuntime,
-        request: RequestT,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        stream: RequestStream,
+        self, req: LocalRequest[RequestT], stream: RequestStream
     ) -> AsyncGenerator[str, None]:
         """The stream's payloads (JSON strings), closing `stream` when done."""

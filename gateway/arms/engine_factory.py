@@ -123,7 +123,7 @@ def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Ba
         return torch_backend.TorchBackend(model, tokenizer, config)
 
     # NOTE: loading runs OpenMP ops; a thread that exits takes its OpenMP pool with it, so
-    # the engine's device thread keeps the only one (backends/torch/device_thread.py)
+    # the engine's device thread keeps the only one (backends/torch/runner/device_thread.py)
     return torch_backend.call_on_own_thread(build, "carousel-load")
 
 

@@ -9,12 +9,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gateway.api.endpoint import Endpoint, Reply
+from gateway.api.endpoint import Endpoint, LocalPipeline, Reply
 from gateway.api.pipeline import EngineRuntime, ServingOptions
 from gateway.arms.arm import Arm
 from gateway.context import RequestContext
+from gateway.obs.kv_capacity import KVCapacity
 from gateway.obs.metrics import ArmGauges, ArmInfo, GatewayMetrics, local_device_group
 from gateway.services import RequestServices
+from schedulers import defaults
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
@@ -35,7 +37,7 @@ class LocalArm(Arm):
         name: str,
         load_backend: Callable[[], Backend],
         *,
-        scheduler: str = "orca",
+        scheduler: str = defaults.SCHEDULER,
         config: SchedulerConfig | None = None,
         policy_options: Mapping[str, Any] | None = None,
         options: ServingOptions | None = None,
@@ -47,6 +49,8 @@ class LocalArm(Arm):
         self._policy_options = dict(policy_options or {})
         self._options = options or ServingOptions()
         self._runtime: EngineRuntime | None = None
+        #: each endpoint's pipeline over this arm's engine, built on its first request
+        self._pipelines: dict[Endpoint, LocalPipeline] = {}
         self._loading = False
         self._load_error: str | None = None
         self._metrics: tuple[GatewayMetrics, str] | None = None
@@ -57,7 +61,7 @@ class LocalArm(Arm):
         backend: Backend,
         *,
         name: str | None = None,
-        scheduler: str = "orca",
+        scheduler: str = defaults.SCHEDULER,
         config: SchedulerConfig | None = None,
         policy_options: Mapping[str, Any] | None = None,
         options: ServingOptions | None = None,
@@ -98,6 +102,7 @@ class LocalArm(Arm):
                 metrics.watch_engine(engine, model, self.name)
             engine.start()
             self._runtime = EngineRuntime(engine, self._options, self.scheduler)
+            self._pipelines = {}
         except Exception as exc:
             self._load_error = f"loading failed: {exc}"
             raise
@@ -138,7 +143,10 @@ class LocalArm(Arm):
     async def serve(
         self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext, services: RequestServices
     ) -> Reply:
-        return await endpoint.local(self.runtime, request, ctx, services)
+        pipeline = self._pipelines.get(endpoint)
+        if pipeline is None:
+            pipeline = self._pipelines[endpoint] = endpoint.local(self.runtime)
+        return await pipeline(request, ctx)
 
     def trace(self) -> dict[str, Any] | None:
         if self._runtime is None:
@@ -167,4 +175,5 @@ class LocalArm(Arm):
             engine.kv_usage,
             bm.num_cached_blocks / bm.num_blocks,
             engine.backend.weight_bytes,
+            KVCapacity.of(engine.backend.kv_cache_spec, engine.max_model_len),
         )

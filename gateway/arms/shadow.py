@@ -28,6 +28,7 @@ import structlog
 
 from gateway.api.endpoint import Endpoint
 from gateway.api.errors import APIError
+from gateway.api.table import BY_PATH
 from gateway.arms.arm import Arm
 from gateway.context import RequestContext
 from gateway.obs.metrics import GatewayMetrics
@@ -115,10 +116,12 @@ class ShadowMirror:
         async def connected() -> bool:
             return False
 
+        # NOTE: the storeless table's entry: a copy finds no stored conversation, keeps none
+        endpoint = BY_PATH.get(copy.endpoint.path, copy.endpoint)
         request_id = f"{copy.request_id}-shadow-{self.arm.name}"
         ctx = RequestContext(
             request_id,
-            copy.endpoint.name,
+            endpoint.name,
             copy.model,
             connected,
             stream=bool(copy.body.get("stream")),
@@ -127,8 +130,8 @@ class ShadowMirror:
         ctx.raw_body = copy.body
         services = RequestServices(metrics=self._metrics)
         try:
-            request = copy.endpoint.request_model.model_validate(copy.body)
-            reply = await self.arm.serve(copy.endpoint, request, ctx, services)
+            request = endpoint.request_model.model_validate(copy.body)
+            reply = await self.arm.serve(endpoint, request, ctx, services)
             if not isinstance(reply, dict):
                 await _drain(reply)
         except APIError as exc:

@@ -66,8 +66,9 @@ def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
         raise from_validation_error(exc.errors()) from None
 
 
-async def _serve(request: Request, endpoint: Endpoint) -> Response:
+async def _serve(request: Request, path: str) -> Response:
     state = _state(request)
+    endpoint = state.endpoints[path]
     services = state.services
     principal = request_principal(request)
     ctx = RequestContext(
@@ -141,7 +142,7 @@ async def _owner_arm(
 
 def _route(endpoint: Endpoint) -> Any:
     async def route(request: Request) -> Response:
-        return await _serve(request, endpoint)
+        return await _serve(request, endpoint.path)
 
     route.__name__ = endpoint.name
     return route

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.obs.kv_capacity import KVCapacity
+
 if TYPE_CHECKING:
     from schedulers.engine import Engine
     from schedulers.outputs import IterationRecord
@@ -58,6 +60,8 @@ class ArmGauges:
     kv_cached: float = 0.0
     #: resident weight bytes per format (`bfloat16`, `int4`, `int8`; none for the sim)
     weight_bytes: dict[str, int] = field(default_factory=dict)
+    #: what the engine's KV cache holds (gateway/obs/kv_capacity.py)
+    kv_capacity: KVCapacity | None = None
 
 
 class _ArmCollector(Collector):
@@ -86,13 +90,60 @@ class _ArmCollector(Collector):
             "Resident model weight bytes, per format (a quantised copy is one more format)",
             labels=["model", "arm", "format"],
         )
+        capacity = _KVCapacityFamilies()
         for gauges in self._read():
             for attr, family in families.items():
                 family.add_metric([gauges.model, gauges.arm], float(getattr(gauges, attr)))
             for fmt, nbytes in gauges.weight_bytes.items():
                 weights.add_metric([gauges.model, gauges.arm, fmt], float(nbytes))
+            if gauges.kv_capacity is not None:
+                capacity.add(gauges.model, gauges.arm, gauges.kv_capacity)
         yield from families.values()
         yield weights
+        yield from capacity.families()
+
+
+class _KVCapacityFamilies:
+    """The KV cache's size and what it holds at once, per arm (the start-up `kv_cache` line's
+    figures; gateway/obs/kv_capacity.py says how the concurrency is computed)."""
+
+    def __init__(self) -> None:
+        labels = ["model", "arm"]
+        self.blocks = GaugeMetricFamily(
+            "carousel_kv_cache_blocks", "KV cache blocks the engine allocated", labels=labels
+        )
+        self.block_size = GaugeMetricFamily(
+            "carousel_kv_cache_block_size", "Token slots per KV cache block", labels=labels
+        )
+        self.tokens = GaugeMetricFamily(
+            "carousel_kv_cache_tokens", "Token slots of the whole KV cache", labels=labels
+        )
+        self.nbytes = GaugeMetricFamily(
+            "carousel_kv_cache_bytes",
+            "Bytes of the KV cache's K and V tensors on one device (a tensor-parallel rank's "
+            "share; none for the sim)",
+            labels=labels,
+        )
+        self.concurrency = GaugeMetricFamily(
+            "carousel_kv_cache_max_concurrency",
+            "Requests of context_tokens tokens the KV cache holds at once (vLLM's 'Maximum "
+            "concurrency'), at max_model_len and at a typical 2048-token context",
+            labels=[*labels, "context_tokens"],
+        )
+
+    def add(self, model: str, arm: str, capacity: KVCapacity) -> None:
+        self.blocks.add_metric([model, arm], float(capacity.num_blocks))
+        self.block_size.add_metric([model, arm], float(capacity.block_size))
+        self.tokens.add_metric([model, arm], float(capacity.num_tokens))
+        if capacity.nbytes:
+            self.nbytes.add_metric([model, arm], float(capacity.nbytes))
+        contexts = {capacity.max_model_len, capacity.typical_context_tokens}
+        for context in sorted(contexts):
+            value = capacity.max_concurrency(context)
+            self.concurrency.add_metric([model, arm, str(context)], value)
+
+    def families(self) -> list[Metric]:
+        return [self.blocks, self.block_size, self.tokens, self.nbytes, self.concurrency]
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from gateway.rollout.evidence import Role, Sample, StepObserver, Tally
 from gateway.rollout.spec import RolloutSpec, build_spec
 from gateway.rollout.store import RolloutStore
 from gateway.settings.rollout import RolloutSettings
+from gateway.settings.rollout_metrics import ERROR
 from gateway.settings.rollout_topology import RolloutTopology
 
 log = structlog.get_logger("carousel.rollout")
@@ -221,7 +222,7 @@ class RolloutController:
         role = self.role(arm)
         if not sample or self.state.status not in ("running", "held"):
             return None
-        failed = sample.get("error", 0.0) > 0
+        failed = sample.get(ERROR, 0.0) > 0
         if randomised and arm != self.settings.candidate and arm in self.topology.engines:
             self._recent["others"].append(failed)
         if role is None:

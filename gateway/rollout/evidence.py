@@ -48,7 +48,8 @@ from typing import Any, Literal
 import numpy as np
 
 from gateway.rollout.betting import log_e_value, num_bets
-from gateway.rollout.spec import SAMPLE_FIELDS, TAIL_QUANTILE, RolloutSpec, TestSpec
+from gateway.rollout.spec import TAIL_QUANTILE, RolloutSpec, TestSpec
+from gateway.settings.rollout_metrics import E2E_MS, ERROR, SAMPLE_FIELDS, TPOT_MS, TTFT_MS
 
 PAIR_BUFFER = 256
 TAIL_WINDOW = 2000
@@ -141,12 +142,12 @@ def request_sample(
     if status in CLIENT_FAULTS:
         return {}
     if status >= 400:
-        return {"error": 1.0}
-    sample: Sample = {"error": 0.0, "e2e_ms": total_s * 1000}
+        return {ERROR: 1.0}
+    sample: Sample = {ERROR: 0.0, E2E_MS: total_s * 1000}
     if ttft_s is not None:
-        sample["ttft_ms"] = ttft_s * 1000
+        sample[TTFT_MS] = ttft_s * 1000
         if completion_tokens > 1:
-            sample["tpot_ms"] = (total_s - ttft_s) * 1000 / (completion_tokens - 1)
+            sample[TPOT_MS] = (total_s - ttft_s) * 1000 / (completion_tokens - 1)
     return sample
 
 
@@ -163,9 +164,9 @@ class UnitSummary:
 
     def add(self, sample: Sample, tails: dict[str, float]) -> None:
         self.requests += 1
-        self.errors += sample.get("error", 0.0)
+        self.errors += sample.get(ERROR, 0.0)
         for name, value in sample.items():
-            if name != "error" and math.isfinite(value) and value > 0:
+            if name != ERROR and math.isfinite(value) and value > 0:
                 self.log_sum[name] = self.log_sum.get(name, 0.0) + math.log(value)
                 self.count[name] = self.count.get(name, 0) + 1
         for name, value in tails.items():
@@ -175,7 +176,7 @@ class UnitSummary:
     def sample(self) -> Sample:
         """The unit's one sample: geometric mean latencies and the share of errors."""
         out = {name: math.exp(total / self.count[name]) for name, total in self.log_sum.items()}
-        return out | {"error": self.errors / self.requests}
+        return out | {ERROR: self.errors / self.requests}
 
     def tail_shares(self) -> dict[str, float]:
         return {name: total / self.tail_count[name] for name, total in self.tail_sum.items()}

@@ -15,8 +15,8 @@ per-request statistic:
     baseline's".
   - guardrail `error_rate` with tolerance d: e_c - e_b in {-1, 0, 1}; rejects H0: the
     candidate's error rate exceeds the baseline's by at most d.
-  - target `goodput` (here: the share of requests served without error): e_b - e_c; "better"
-    rejects H0: the candidate's good share is not above the baseline's.
+  - target `error_rate` (`goodput` in earlier versions): e_b - e_c; "better" rejects H0: the
+    candidate's error rate is not below the baseline's.
   - regression on the target (`regression_<metric>`, a guardrail of tolerance 0, 0.10 for a
     `*_p99` target, unless the guardrails already watch the target's metric): rejects H0:
     the candidate is not worse on the target itself, so a candidate significantly worse on
@@ -48,6 +48,7 @@ import numpy as np
 
 from gateway.rollout.betting import MeanTest
 from gateway.settings.rollout import RolloutSettings
+from gateway.settings.rollout_metrics import BY_NAME, TPOT_MS, TTFT_MS
 
 #: "no difference": P(candidate < baseline) within 1/2 +- this
 EQUIVALENCE_MARGIN = 0.05
@@ -56,9 +57,6 @@ TAIL_QUANTILE = 0.99
 #: the implicit regression guardrail of a `*_p99` target: its reference p99 is an estimate,
 #: so a tolerance of 0 would put A/A at the edge of the null
 REGRESSION_P99_TOLERANCE = 0.10
-#: which request field each metric's samples come from (NaN: not measured, e.g. a failure)
-FIELDS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms"}
-SAMPLE_FIELDS = ("ttft_ms", "tpot_ms", "e2e_ms", "error")
 
 Role = Literal["target", "equivalence", "guardrail"]
 Statistic = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -142,23 +140,18 @@ class RolloutSpec:
 def build_spec(settings: RolloutSettings) -> RolloutSpec:
     """The tests of `settings`: the target's (and its equivalence pair), then the guardrails."""
     watched = [(f"guardrail_{m}", m, tolerance) for m, tolerance in settings.guardrails.items()]
-    regression = _regression_name(settings.metric)
-    if regression not in settings.guardrails:
-        tolerance = REGRESSION_P99_TOLERANCE if regression.endswith("_p99") else 0.0
-        watched.append((f"regression_{settings.metric}", regression, tolerance))
-    return RolloutSpec(settings, (*_target_tests(settings.metric), *_guardrails(watched)))
-
-
-def _regression_name(metric: str) -> str:
-    """The guardrail that watches the target's own metric (goodput: the error rate)."""
-    return "error_rate" if metric == "goodput" else metric
+    target = settings.metric
+    if target not in settings.guardrails:
+        tolerance = REGRESSION_P99_TOLERANCE if BY_NAME[target].kind == "tail" else 0.0
+        watched.append((f"regression_{target}", target, tolerance))
+    return RolloutSpec(settings, (*_target_tests(target), *_guardrails(watched)))
 
 
 def unsampled_notes(spec: RolloutSpec, upstream_arms: list[str]) -> list[str]:
     """What the operator must know of tests fed by TTFT or TPOT when a compared arm is
     upstream: the gateway learns those only from a stream, so unstreamed requests feed them
     nothing (their e2e and errors still count)."""
-    tests = [t.name for t in spec.tests if t.field in ("ttft_ms", "tpot_ms")]
+    tests = [t.name for t in spec.tests if t.field in (TTFT_MS, TPOT_MS)]
     if not upstream_arms or not tests:
         return []
     return [
@@ -167,13 +160,12 @@ def unsampled_notes(spec: RolloutSpec, upstream_arms: list[str]) -> list[str]:
     ]
 
 
-def _target_tests(metric: str) -> tuple[TestSpec, ...]:
-    if metric == "goodput":
-        return (
-            TestSpec("target", "target", "error", "paired", reverse_difference, MeanTest(0, -1)),
-        )
-    field = FIELDS[metric.split("_")[0]]
-    if metric.endswith("_p99"):
+def _target_tests(name: str) -> tuple[TestSpec, ...]:
+    metric = BY_NAME[name]
+    field = metric.field
+    if metric.kind == "rate":
+        return (TestSpec("target", "target", field, "paired", reverse_difference, MeanTest(0, -1)),)
+    if metric.kind == "tail":
         null = MeanTest(-(1 - TAIL_QUANTILE), -1.0)
         return (TestSpec("target", "target", field, "tail", within_tail, null),)
     high = MeanTest(-(0.5 + EQUIVALENCE_MARGIN), -1.0)
@@ -188,13 +180,14 @@ def _target_tests(metric: str) -> tuple[TestSpec, ...]:
 def _guardrails(watched: list[tuple[str, str, float]]) -> tuple[TestSpec, ...]:
     """(name, metric, tolerance) of each guardrail -> its test."""
     tests = []
-    for name, metric, tolerance in watched:
-        if metric == "error_rate":
+    for name, metric_name, tolerance in watched:
+        metric = BY_NAME[metric_name]
+        field = metric.field
+        if metric.kind == "rate":
             test = MeanTest(tolerance, -1.0)
-            tests.append(TestSpec(name, "guardrail", "error", "paired", difference, test))
+            tests.append(TestSpec(name, "guardrail", field, "paired", difference, test))
             continue
-        field = FIELDS[metric.split("_")[0]]
-        if metric.endswith("_p99"):
+        if metric.kind == "tail":
             test = MeanTest(1 - TAIL_QUANTILE, 0.0)
             statistic = exceeds(1 + tolerance)
             tests.append(TestSpec(name, "guardrail", field, "tail", statistic, test))

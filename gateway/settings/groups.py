@@ -18,11 +18,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import NoDecode
 
+from backends.torch.config import TorchBackendConfig
 from gateway.settings.policy_options import (
     check_policy_options,
     check_scheduler,
     policy_option_names,
 )
+from schedulers import defaults
 
 DEFAULT_MODEL = "default"
 VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
@@ -142,7 +144,7 @@ class ModelSettings(BaseModel):
 class CacheSettings(BaseModel):
     """The paged KV cache (per arm)."""
 
-    block_size: int = Field(16, ge=1, description="KV block size in tokens")
+    block_size: int = Field(defaults.BLOCK_SIZE, ge=1, description="KV block size in tokens")
     kv_cache_gb: float | None = Field(
         None, gt=0, description="KV cache size in GiB (default: planned from the device)",
         json_schema_extra=torch_only(),
@@ -156,12 +158,16 @@ class SchedulerSettings(BaseModel):
     """The batching policy and its budgets (per arm)."""
 
     scheduler: str = Field(
-        "orca",
+        defaults.SCHEDULER,
         description="batching policy: orca, static, lpm, priority, sjf, hrrn, edf, fair, another "
         "registered name, or package.module:ClassName (default: orca)",
     )
-    max_num_seqs: int = Field(32, ge=1, description="most sequences in one batch")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one iteration")
+    max_num_seqs: int = Field(
+        defaults.MAX_NUM_SEQS, ge=1, description="most sequences in one batch"
+    )
+    max_num_batched_tokens: int = Field(
+        defaults.MAX_NUM_BATCHED_TOKENS, ge=1, description="token budget of one iteration"
+    )
     enable_chunked_prefill: bool = Field(
         False, description="split long prefills over iterations under the token budget"
     )
@@ -195,7 +201,8 @@ class EngineSettings(BaseModel):
         None, ge=1, description="400 above this many prompt tokens (default: the context)"
     )
     grammar_compile_timeout_s: float = Field(
-        10.0, gt=0, description="400 grammar_compile_timeout for an output grammar (schema, "
+        defaults.GRAMMAR_COMPILE_TIMEOUT_S, gt=0,
+        description="400 grammar_compile_timeout for an output grammar (schema, "
         "tools) still compiling after this many seconds; its compile process is killed",
     )  # fmt: skip
     tensor_parallel_size: int = Field(
@@ -237,10 +244,17 @@ class ServerSettings(BaseModel):
         description="bytes of stored responses each principal keeps (a principal's "
         "max_stored_bytes overrides); one key's traffic evicts only its own",
     )
+    redis_url: str | None = Field(
+        None,
+        description="one Redis (redis://host:port/db) for all that replicas share: the "
+        "Responses store and the `rollout:` state; response_store or rollout_store, where "
+        "given, wins for its own (default: none, both in this process's memory)",
+        json_schema_extra={"metavar": "URL"},
+    )
     response_store: str = Field(
         "memory",
         description="where stored responses live: memory (this process) or redis://host:port/db "
-        "(shared by replicas)",
+        "(shared by replicas) (default: redis_url, else memory)",
         json_schema_extra={"metavar": "URL"},
     )
     disconnect_poll_s: float = Field(
@@ -268,7 +282,8 @@ class ServerSettings(BaseModel):
     rollout_store: str | None = Field(
         None,
         description="keep the `rollout:` state in this JSON file, or in Redis (a redis:// "
-        "URL) shared by replicas; a restarted gateway resumes the rollout (default: memory)",
+        "URL) shared by replicas; a restarted gateway resumes the rollout (default: redis_url, "
+        "else memory)",
         json_schema_extra={"metavar": "FILE|URL"},
     )
     admin_api_keys: Annotated[list[str], NoDecode] = Field(
@@ -335,32 +350,12 @@ def torch_only_defaults() -> dict[str, Any]:
 
 def unhonoured_settings(settings: BaseModel) -> list[str]:
     """The settings given a value that `settings.backend` would ignore."""
-    defaults = torch_only_defaults()
-    values = {name: getattr(settings, name) for name in (*defaults, "backend")}
+    torch_settings = torch_only_defaults()
+    values = {name: getattr(settings, name) for name in (*torch_settings, "backend")}
     if values["backend"] == "sim":
-        return [k for k, v in defaults.items() if values[k] != v]
-    # NOTE: as TorchBackendConfig refuses them (backends/torch/config.py): tensor-parallel
-    # ranks and the compiled layer run full-precision linears only
-    quantized = values["quantization"] in ("gguf", "int8")
-    conflicting = values["batch_invariant"] and _kernels_by_rows(values)
-    invariant = ["batch_invariant"] if conflicting else []
-    if values["tensor_parallel_size"] > 1:
-        names = ["compile"] if values["compile"] else []
-        return [*names, *invariant, "quantization"] if quantized else [*names, *invariant]
-    return ["quantization"] if quantized and values["compile"] else invariant
-
-
-def _kernels_by_rows(values: dict[str, Any]) -> bool:
-    """Whether these settings choose a kernel by the step's rows, or leave Carousel's CPU
-    kernels out: what `batch_invariant` cannot run with (as TorchBackendConfig refuses it)."""
-    return (
-        values["quantization"] in ("gguf", "int8")
-        or values["compile"]
-        or values["tensor_parallel_size"] > 1
-        or not values["cpu_kernels"]
-        or not values["prepack_weights"]
-        or values["attention_backend"] not in ("auto", "cpu_paged")
-    )
+        return [k for k, v in torch_settings.items() if values[k] != v]
+    # NOTE: the torch backend's config owns which of them run together (it imports no torch)
+    return TorchBackendConfig.unhonoured(values)
 
 
 def unhonoured_message(settings: BaseModel) -> str | None:

@@ -56,6 +56,9 @@ from gateway.settings.rollout_topology import RolloutTopology
 
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 ENV_PREFIX = "CAROUSEL_"
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: the settings that default to `redis_url` (`with_redis_url`)
+SHARED_STORES = ("response_store", "rollout_store")
 _config_file: ContextVar[str | None] = ContextVar("carousel_config_file", default=None)
 
 
@@ -84,7 +87,7 @@ class Settings(
         unknown = sorted(set(data) - set(cls.model_fields))
         if unknown:
             raise ValueError(unknown_keys_message(unknown, setting_names()))
-        return data
+        return with_redis_url(data)
 
     @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
@@ -105,8 +108,15 @@ class Settings(
     @field_validator("response_store")
     @classmethod
     def _store_url(cls, value: str) -> str:
-        if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+        if value != "memory" and not is_redis_url(value):
             raise ValueError("response_store must be memory or a redis://host:port/db URL")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not is_redis_url(value):
+            raise ValueError("redis_url must be a redis://host:port/db (or rediss://, unix://) URL")
         return value
 
     @model_validator(mode="after")
@@ -227,6 +237,26 @@ def _yaml_source(settings_cls: type[BaseSettings]) -> PydanticBaseSettingsSource
             raise ValueError(f"config file {path} must hold a mapping of setting: value")
         data = split_policy_options({str(k).replace("-", "_"): v for k, v in loaded.items()})
     return InitSettingsSource(settings_cls, init_kwargs=data)
+
+
+def is_redis_url(value: str) -> bool:
+    return value.startswith(REDIS_SCHEMES)
+
+
+def with_redis_url(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (the merged flags, env and YAML) with `redis_url` as each shared store's
+    location where that store's own setting is not given.
+
+    NOTE: the specific setting wins wherever it is given (a flag, `CAROUSEL_*` or YAML), so
+    `response_store` and `rollout_store` keep working alone as before, and a deployment may
+    keep the rollout in a file while its responses go to the shared Redis. The two stores'
+    keys never collide in one database (`carousel:<principal>:<kind>:...` against
+    `carousel:rollout:<model>:...`, with disjoint last parts).
+    """
+    url = data.get("redis_url")
+    if not isinstance(url, str) or not is_redis_url(url):
+        return data  # none, or refused by its own validator
+    return {**dict.fromkeys(SHARED_STORES, url), **data}
 
 
 def default_served_name(model: str) -> str:

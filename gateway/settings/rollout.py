@@ -7,7 +7,7 @@ rollout:
   candidate: sjf            # another arm (local or upstream)
   assignment: user          # or request: what the split randomises, and the tests' unit
   steps: [5, 25, 50, 100]   # candidate's share of traffic, percent
-  metric: ttft_p50          # what must improve: ttft_p50|ttft_p99|tpot_p50|e2e_p50|goodput
+  metric: ttft_p50          # what must improve: ttft_p50|ttft_p99|tpot_p50|e2e_p50|error_rate
   guardrails:               # largest tolerated regression of the candidate
     error_rate: 0.005       # absolute
     ttft_p99: 0.10          # relative
@@ -18,8 +18,9 @@ rollout:
   alpha: 0.05
 ```
 
-What each key means for the tests is in gateway/rollout/spec.py and docs/rollout.md; which
-arm topologies compare equal loads (and are therefore accepted) in gateway/rollout/topology.py.
+What each key means for the tests is in gateway/rollout/spec.py and docs/rollout.md; the
+metrics `metric` and `guardrails` may name, in gateway/settings/rollout_metrics.py; which arm
+topologies compare equal loads (and are therefore accepted) in rollout_topology.py.
 """
 
 from __future__ import annotations
@@ -28,16 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-TARGET_METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50", "goodput")
-GUARDRAIL_METRICS = (
-    "error_rate",
-    "ttft_p50",
-    "ttft_p99",
-    "tpot_p50",
-    "tpot_p99",
-    "e2e_p50",
-    "e2e_p99",
-)
+from gateway.settings.rollout_metrics import GUARDRAIL_METRICS, TARGET_METRICS, current_name
 
 
 class RolloutSettings(BaseModel):
@@ -56,7 +48,9 @@ class RolloutSettings(BaseModel):
     #: in each block of the step's requests; gateway/rollout/evidence.py)
     requests_per_unit: int = Field(5, ge=1, le=100)
     steps: list[float] = Field(default=[5, 25, 50, 100], min_length=1)
-    metric: Literal["ttft_p50", "ttft_p99", "tpot_p50", "e2e_p50", "goodput"] = "ttft_p50"
+    #: what must improve: a name of `TARGET_METRICS` (`goodput`, its earlier name for the
+    #: error rate, is read as `error_rate`)
+    metric: str = Field("ttft_p50", json_schema_extra={"enum": list(TARGET_METRICS)})
     guardrails: dict[str, float] = Field(default_factory=lambda: {"error_rate": 0.005})
     min_requests: int = Field(100, ge=1)
     max_step_s: float = Field(3600.0, gt=0)
@@ -71,6 +65,15 @@ class RolloutSettings(BaseModel):
         if steps[-1] != 100:
             raise ValueError("the last step must be 100 (the candidate takes all traffic)")
         return steps
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, metric: str) -> str:
+        name = current_name(metric)
+        if name not in TARGET_METRICS:
+            valid = ", ".join(TARGET_METRICS)
+            raise ValueError(f"unknown metric {metric!r}; valid: {valid}")
+        return name
 
     @field_validator("guardrails")
     @classmethod

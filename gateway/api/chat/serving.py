@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.api.chunk_template import TextChunks
 from gateway.api.errors import invalid, unsupported
+from gateway.api.local_request import LocalRequest
 from gateway.api.logprobs import chat_logprobs
 from gateway.api.outputs.plan import OutputPlan, chat_plan, has_schemas, off_loop, problem_error
 from gateway.api.outputs.tool_parser import (
@@ -34,8 +35,6 @@ from gateway.api.protocol import (
     UsageInfo,
 )
 from gateway.api.serving import LocalEndpoint
-from gateway.context import RequestContext
-from gateway.services import RequestServices
 from schedulers.client import RequestStream
 
 # NOTE: `developer` is OpenAI's newer name for `system`; templates only know the latter.
@@ -156,25 +155,15 @@ class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
     def check(self, request: ChatCompletionRequest) -> None:
         check_unsupported(request)
 
-    async def plan(
-        self,
-        runtime: EngineRuntime,
-        request: ChatCompletionRequest,
-        ctx: RequestContext,
-        services: RequestServices,
-    ) -> OutputPlan:
+    async def plan(self, req: LocalRequest[ChatCompletionRequest]) -> OutputPlan:
+        request = req.request
         return await off_loop(chat_plan, request) if has_schemas(request) else chat_plan(request)
 
-    async def prompts(
-        self,
-        runtime: EngineRuntime,
-        request: ChatCompletionRequest,
-        ctx: RequestContext,
-        plan: OutputPlan,
-    ) -> list[list[int]]:
-        prompt = chat_prompt(runtime, conversation(request.messages), plan, "messages")
-        ctx.prompt_text = prompt
-        return [await encode(runtime.tokenizer, prompt)]
+    async def prompts(self, req: LocalRequest[ChatCompletionRequest]) -> list[list[int]]:
+        messages = conversation(req.request.messages)
+        prompt = chat_prompt(self.runtime, messages, req.plan, "messages")
+        req.ctx.prompt_text = prompt
+        return [await encode(self.runtime.tokenizer, prompt)]
 
     def requested_max_tokens(self, request: ChatCompletionRequest) -> tuple[int | None, str]:
         if request.max_completion_tokens is not None:
@@ -185,26 +174,14 @@ class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
         return (request.top_logprobs or 0) if request.logprobs else None
 
     def body(
-        self,
-        runtime: EngineRuntime,
-        request: ChatCompletionRequest,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        results: list[ChoiceResult],
+        self, req: LocalRequest[ChatCompletionRequest], results: list[ChoiceResult]
     ) -> dict[str, Any]:
-        return _body(runtime, request, ctx, plan, results).model_dump(mode="json")
+        return _body(self.runtime, req, results).model_dump(mode="json")
 
     def chunks(
-        self,
-        runtime: EngineRuntime,
-        request: ChatCompletionRequest,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        stream: RequestStream,
+        self, req: LocalRequest[ChatCompletionRequest], stream: RequestStream
     ) -> AsyncGenerator[str, None]:
-        return _chunks(runtime, request, ctx, plan, stream)
+        return _chunks(self.runtime, req, stream)
 
 
 def _message(plan: OutputPlan, result: ChoiceResult) -> tuple[AssistantMessage, str | None]:
@@ -220,12 +197,9 @@ def _message(plan: OutputPlan, result: ChoiceResult) -> tuple[AssistantMessage, 
 
 
 def _body(
-    runtime: EngineRuntime,
-    request: ChatCompletionRequest,
-    ctx: RequestContext,
-    plan: OutputPlan,
-    results: list[ChoiceResult],
+    runtime: EngineRuntime, req: LocalRequest[ChatCompletionRequest], results: list[ChoiceResult]
 ) -> ChatCompletionResponse:
+    request, ctx, plan = req.request, req.ctx, req.plan
     num_top = request.top_logprobs or 0
     choices = []
     for i, r in enumerate(results):
@@ -255,14 +229,11 @@ def _deltas(events: list[StreamEvent]) -> list[DeltaMessage]:
 
 
 async def _chunks(
-    runtime: EngineRuntime,
-    request: ChatCompletionRequest,
-    ctx: RequestContext,
-    plan: OutputPlan,
-    stream: RequestStream,
+    runtime: EngineRuntime, req: LocalRequest[ChatCompletionRequest], stream: RequestStream
 ) -> AsyncGenerator[str, None]:
     """Role chunk per choice, content (or tool call) deltas, a finish chunk per choice,
     [usage]. With tools, each choice's text goes through its own `ToolCallStreamParser`."""
+    request, ctx, plan = req.request, req.ctx, req.plan
     include_usage = request.include_usage
     num_top = request.top_logprobs or 0
     parsers = [ToolCallStreamParser() for _ in range(request.n)] if plan.parses_tools else None

@@ -9,6 +9,7 @@ from typing import Any
 
 from gateway.api.chunk_template import TextChunks
 from gateway.api.errors import invalid, unsupported
+from gateway.api.local_request import LocalRequest
 from gateway.api.logprobs import completion_logprobs, text_length
 from gateway.api.outputs.plan import OutputPlan, completion_plan, has_schemas, off_loop
 from gateway.api.pipeline import (
@@ -25,8 +26,6 @@ from gateway.api.protocol import (
     UsageInfo,
 )
 from gateway.api.serving import LocalEndpoint
-from gateway.context import RequestContext
-from gateway.services import RequestServices
 from schedulers.client import RequestStream
 
 
@@ -69,27 +68,15 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
     def check(self, request: CompletionRequest) -> None:
         check_unsupported(request)
 
-    async def plan(
-        self,
-        runtime: EngineRuntime,
-        request: CompletionRequest,
-        ctx: RequestContext,
-        services: RequestServices,
-    ) -> OutputPlan:
-        if has_schemas(request):
-            return await off_loop(completion_plan, request)
-        return completion_plan(request)
+    async def plan(self, req: LocalRequest[CompletionRequest]) -> OutputPlan:
+        if has_schemas(req.request):
+            return await off_loop(completion_plan, req.request)
+        return completion_plan(req.request)
 
-    async def prompts(
-        self,
-        runtime: EngineRuntime,
-        request: CompletionRequest,
-        ctx: RequestContext,
-        plan: OutputPlan,
-    ) -> list[list[int]]:
-        if isinstance(request.prompt, str):
-            ctx.prompt_text = request.prompt
-        return await tokenize_prompts(runtime, request)
+    async def prompts(self, req: LocalRequest[CompletionRequest]) -> list[list[int]]:
+        if isinstance(req.request.prompt, str):
+            req.ctx.prompt_text = req.request.prompt
+        return await tokenize_prompts(self.runtime, req.request)
 
     def requested_max_tokens(self, request: CompletionRequest) -> tuple[int | None, str]:
         return request.max_tokens, "max_tokens"
@@ -98,34 +85,20 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
         return request.logprobs
 
     def body(
-        self,
-        runtime: EngineRuntime,
-        request: CompletionRequest,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        results: list[ChoiceResult],
+        self, req: LocalRequest[CompletionRequest], results: list[ChoiceResult]
     ) -> dict[str, Any]:
-        echoes = _echo_texts(runtime, request, prompts)
-        return _body(runtime, request, ctx, results, echoes).model_dump(mode="json")
+        echoes = _echo_texts(self.runtime, req)
+        return _body(self.runtime, req, results, echoes).model_dump(mode="json")
 
     def chunks(
-        self,
-        runtime: EngineRuntime,
-        request: CompletionRequest,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        stream: RequestStream,
+        self, req: LocalRequest[CompletionRequest], stream: RequestStream
     ) -> AsyncGenerator[str, None]:
-        echoes = _echo_texts(runtime, request, prompts)
-        return _chunks(runtime, request, ctx, stream, echoes)
+        return _chunks(self.runtime, req, stream, _echo_texts(self.runtime, req))
 
 
-def _echo_texts(
-    runtime: EngineRuntime, request: CompletionRequest, prompts: list[list[int]]
-) -> list[str]:
+def _echo_texts(runtime: EngineRuntime, req: LocalRequest[CompletionRequest]) -> list[str]:
     """Per choice, the prompt text to prepend ("" without echo)."""
+    request, prompts = req.request, req.prompts
     if not request.echo:
         return [""] * (len(prompts) * request.n)
     prompt = request.prompt
@@ -140,11 +113,11 @@ def _echo_texts(
 
 def _body(
     runtime: EngineRuntime,
-    request: CompletionRequest,
-    ctx: RequestContext,
+    req: LocalRequest[CompletionRequest],
     results: list[ChoiceResult],
     echoes: list[str],
 ) -> CompletionResponse:
+    request, ctx = req.request, req.ctx
     choices = [
         CompletionChoice(
             index=i,
@@ -168,12 +141,12 @@ def _body(
 
 async def _chunks(
     runtime: EngineRuntime,
-    request: CompletionRequest,
-    ctx: RequestContext,
+    req: LocalRequest[CompletionRequest],
     stream: RequestStream,
     echoes: list[str],
 ) -> AsyncGenerator[str, None]:
     """[Echoed prompt per choice], text deltas, a finish chunk per choice, [usage]."""
+    request, ctx = req.request, req.ctx
     include_usage = request.include_usage
     offsets = [0] * len(echoes)
 

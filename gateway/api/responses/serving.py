@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.api.chat.serving import chat_prompt
 from gateway.api.errors import APIError
+from gateway.api.local_request import LocalRequest
 from gateway.api.outputs.plan import OutputPlan, off_loop, problem_error, tools_plan
 from gateway.api.outputs.tool_parser import StreamEvent, ToolCallStreamParser
 from gateway.api.pipeline import ChoiceResult, EngineRuntime, accept_output, encode
@@ -31,10 +32,13 @@ from gateway.api.responses.protocol import (
     ResponseUsage,
     unsupported,
 )
-from gateway.api.responses.store import MemoryResponseStore, previous_conversation
+from gateway.api.responses.store import (
+    MemoryResponseStore,
+    ResponseStore,
+    previous_conversation,
+    remember_creator,
+)
 from gateway.api.serving import LocalEndpoint
-from gateway.context import RequestContext
-from gateway.services import RequestServices
 from schedulers.client import RequestStream
 from schedulers.sampling_params import SamplingParams
 
@@ -45,24 +49,25 @@ _NO_STORE = MemoryResponseStore(1)
 
 
 class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
-    """POST /v1/responses on a local engine."""
+    """POST /v1/responses on a local engine, keeping responses in `store` (None: none are
+    kept and no `previous_response_id` is found, as for a shadow copy)."""
 
     prompt_param = "input"
+
+    def __init__(self, runtime: EngineRuntime, store: ResponseStore | None = None) -> None:
+        super().__init__(runtime)
+        self.store = store
 
     def check(self, request: ResponsesRequest) -> None:
         problem = unsupported(request)
         if problem is not None:
             raise problem_error(problem)
 
-    async def plan(
-        self,
-        runtime: EngineRuntime,
-        request: ResponsesRequest,
-        ctx: RequestContext,
-        services: RequestServices,
-    ) -> OutputPlan:
-        store = services.response_store or _NO_STORE
-        history = await previous_conversation(store, request.previous_response_id, ctx.principal)
+    async def plan(self, req: LocalRequest[ResponsesRequest]) -> OutputPlan:
+        request, store = req.request, self.store or _NO_STORE
+        history = await previous_conversation(
+            store, request.previous_response_id, req.ctx.principal
+        )
         if isinstance(history, ParamProblem):
             raise problem_error(history)
         parts = to_chat(request, history)
@@ -77,31 +82,19 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
             _format_param(request.text),
             _RENAME,
         )
-        extra = {
-            "history": history,
-            "input_items": parts.input_items,
-            "services": services,
-        }
+        extra = {"history": history, "input_items": parts.input_items}
         return dataclasses.replace(plan, messages=parts.messages, extra=extra)
 
-    async def prompts(
-        self,
-        runtime: EngineRuntime,
-        request: ResponsesRequest,
-        ctx: RequestContext,
-        plan: OutputPlan,
-    ) -> list[list[int]]:
-        assert plan.messages is not None
-        prompt = chat_prompt(runtime, plan.messages, plan, "input")
-        ctx.prompt_text = prompt
-        return [await encode(runtime.tokenizer, prompt)]
+    async def prompts(self, req: LocalRequest[ResponsesRequest]) -> list[list[int]]:
+        assert req.plan.messages is not None
+        prompt = chat_prompt(self.runtime, req.plan.messages, req.plan, "input")
+        req.ctx.prompt_text = prompt
+        return [await encode(self.runtime.tokenizer, prompt)]
 
     def requested_max_tokens(self, request: ResponsesRequest) -> tuple[int | None, str]:
         return request.max_output_tokens, "max_output_tokens"
 
-    def sampling_params(
-        self, runtime: EngineRuntime, request: ResponsesRequest, max_tokens: int
-    ) -> SamplingParams:
+    def sampling_params(self, request: ResponsesRequest, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -109,74 +102,61 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
         )
 
     def body(
-        self,
-        runtime: EngineRuntime,
-        request: ResponsesRequest,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        results: list[ChoiceResult],
+        self, req: LocalRequest[ResponsesRequest], results: list[ChoiceResult]
     ) -> dict[str, Any]:
-        builder = _builder(request, ctx)
+        builder = _builder(req)
         builder.start()
-        parser = ToolCallStreamParser() if plan.parses_tools else None
+        parser = ToolCallStreamParser() if req.plan.parses_tools else None
         result = results[0]
         builder.feed(_events(parser, result.text, finished=True))
-        builder.finish(_usage(ctx, result.num_output_tokens), result.finish_reason)
-        plan.extra["response"] = builder.response
+        builder.finish(_usage(req, result.num_output_tokens), result.finish_reason)
+        req.plan.extra["response"] = builder.response
         return builder.response.model_dump(mode="json")
 
-    async def keep(self, request: ResponsesRequest, ctx: RequestContext, plan: OutputPlan) -> None:
+    async def keep(self, req: LocalRequest[ResponsesRequest]) -> None:
         """Store the finished response (`store`), once its body is built."""
-        await _store(request, ctx, plan, plan.extra["response"])
+        await _store(self.store, req, req.plan.extra["response"])
 
     def chunks(
-        self,
-        runtime: EngineRuntime,
-        request: ResponsesRequest,
-        ctx: RequestContext,
-        prompts: list[list[int]],
-        plan: OutputPlan,
-        stream: RequestStream,
+        self, req: LocalRequest[ResponsesRequest], stream: RequestStream
     ) -> AsyncGenerator[str, None]:
-        return _chunks(runtime, request, ctx, plan, stream)
+        return _chunks(self.runtime, self.store, req, stream)
 
 
 async def _chunks(
     runtime: EngineRuntime,
-    request: ResponsesRequest,
-    ctx: RequestContext,
-    plan: OutputPlan,
+    store: ResponseStore | None,
+    req: LocalRequest[ResponsesRequest],
     stream: RequestStream,
 ) -> AsyncGenerator[str, None]:
     """The typed events, in OpenAI's order (responses_stream.py); an engine error after the
     200 ends the stream with `response.failed`, then the in-band error."""
-    builder = _builder(request, ctx)
-    parser = ToolCallStreamParser() if plan.parses_tools else None
+    builder = _builder(req)
+    parser = ToolCallStreamParser() if req.plan.parses_tools else None
     try:
         for event in builder.start():
             yield event.model_dump_json()
         try:
             async for _, output in stream:
-                accept_output(runtime, ctx, output)
+                accept_output(runtime, req.ctx, output)
                 events = _events(parser, output.text, output.finished)
                 for event in builder.feed(events):
                     yield event.model_dump_json()
                 if output.finished:
-                    usage = _usage(ctx, output.num_output_tokens)
+                    usage = _usage(req, output.num_output_tokens)
                     for event in builder.finish(usage, output.finish_reason):
                         yield event.model_dump_json()
         except APIError as exc:
             for event in builder.fail(exc.message):
                 yield event.model_dump_json()
             raise
-        await _store(request, ctx, plan, builder.response)
+        await _store(store, req, builder.response)
     finally:
         stream.close()
 
 
-def _builder(request: ResponsesRequest, ctx: RequestContext) -> ResponseBuilder:
-    return ResponseBuilder(response_skeleton(request, ctx.model))
+def _builder(req: LocalRequest[ResponsesRequest]) -> ResponseBuilder:
+    return ResponseBuilder(response_skeleton(req.request, req.ctx.model))
 
 
 def _events(parser: ToolCallStreamParser | None, text: str, finished: bool) -> list[StreamEvent]:
@@ -187,22 +167,23 @@ def _events(parser: ToolCallStreamParser | None, text: str, finished: bool) -> l
     return events + parser.finish() if finished else events
 
 
-def _usage(ctx: RequestContext, num_output_tokens: int) -> ResponseUsage:
+def _usage(req: LocalRequest[ResponsesRequest], num_output_tokens: int) -> ResponseUsage:
+    ctx = req.ctx
     return ResponseUsage.of(ctx.prompt_tokens, num_output_tokens, ctx.cached_tokens)
 
 
 async def _store(
-    request: ResponsesRequest, ctx: RequestContext, plan: OutputPlan, response: ResponseObject
+    store: ResponseStore | None, req: LocalRequest[ResponsesRequest], response: ResponseObject
 ) -> None:
     """Keep a finished response for `previous_response_id` and GET (when `store`), as its
-    principal's."""
-    services: RequestServices = plan.extra["services"]
-    if request.store is False or services.response_store is None:
+    principal's, and which arm created it."""
+    if req.request.store is False or store is None:
         return
+    plan, ctx = req.plan, req.ctx
     conversation = conversation_after(plan.extra["history"], plan.extra["input_items"], response)
     body = response.model_dump(mode="json")
-    await services.response_store.put(response.id, body, conversation, principal=ctx.principal)
-    await services.remember_response(ctx, response.id)
+    await store.put(response.id, body, conversation, principal=ctx.principal)
+    await remember_creator(store, ctx, response.id)
 
 
 def _format_param(text: dict[str, Any] | None) -> str | None:

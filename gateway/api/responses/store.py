@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.api.problems import ParamProblem
+from gateway.context import RequestContext
 from gateway.settings.principals import ANONYMOUS_NAME
 
 DEFAULT_MAX_RESPONSES = 1024
@@ -244,6 +245,13 @@ async def previous_conversation(
     if entry is None:
         return previous_not_found(previous_response_id)
     return entry.conversation
+
+
+async def remember_creator(store: ResponseStore, ctx: RequestContext, response_id: str) -> None:
+    """Note that `ctx`'s arm created `response_id` for `ctx`'s principal: GET, DELETE and
+    `previous_response_id` are routed to it, for that principal only (nothing without an arm)."""
+    if ctx.arm is not None:
+        await store.remember_owner(response_id, ctx.model, ctx.arm, ctx.principal)
 
 
 def previous_not_found(previous_response_id: str) -> ParamProblem:
