@@ -14,7 +14,7 @@ Kernels (csrc/), each where torch's own CPU kernels stay far from the machine:
 - `linear`: decode-sized matmuls (1 to 128 rows) over a weight packed into 64-row tiles, each
   tile one sequential stream; bf16 products by AVX512-BF16 (`vdpbf16ps`), fp32 by FMA.
   Streaming all SmolLM2 projections from memory, it reads 1.2-1.7x faster than oneDNN's
-  prepacked path at 1-8 rows and stays ahead up to 128 rows (packed.py). How weights are
+  prepacked path at 1-8 rows and stays ahead up to 128 rows (layers/linear.py). How weights are
   asked for ahead goes by CPU vendor (`stream_plan()` in csrc/linear.cpp): on Intel, fp32
   tiles that 7-32 rows share go in 16 KB chunks of K, the next chunk streaming in while the
   later rows compute (1.09-1.23x whole passes over K); on AMD (Zen 4) whole passes and the
@@ -75,7 +75,7 @@ from typing import IO
 import torch
 import torch.nn.functional as F
 
-from backends.torch.loader import cache_dir
+from backends.torch.cache_dir import cache_dir
 from backends.torch.logs import engine_log
 from backends.torch.progress import reported_phase
 from schedulers.load_phase import BUILDING_KERNELS, WAITING_FOR_KERNELS
