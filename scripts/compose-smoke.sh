@@ -24,6 +24,8 @@
 #   CAROUSEL_SMOKE_PROJECT       compose project name (default carousel-smoke-<pid>)
 #   CAROUSEL_SMOKE_HEALTH_TIMEOUT_S  per stage, to healthy (default 1200)
 #   CAROUSEL_SMOKE_BUILD_TIMEOUT_S   image builds (default 2400)
+#   CAROUSEL_SMOKE_CHECK_TIMEOUT_S   how long Prometheus's targets, series and each dashboard
+#                                panel may take to show the traffic (default 120; polled)
 #   CAROUSEL_SMOKE_OUT           logs and summary (default out/compose-smoke)
 #   CAROUSEL_SMOKE_REMOVE_IMAGES 1: also remove the images this run built (default 0: kept,
 #                                so the next run reuses their layers)
@@ -44,6 +46,10 @@ ROOT=$PWD
 PROJECT=${CAROUSEL_SMOKE_PROJECT:-carousel-smoke-$$}
 HEALTH_TIMEOUT_S=${CAROUSEL_SMOKE_HEALTH_TIMEOUT_S:-1200}
 BUILD_TIMEOUT_S=${CAROUSEL_SMOKE_BUILD_TIMEOUT_S:-2400}
+# what the checks wait for, once the stack is healthy: an engine's kernels line in its log, and
+# each of Prometheus's targets, series and dashboard panels (it scrapes every 5 s)
+KERNELS_TIMEOUT_S=120
+CHECK_TIMEOUT_S=${CAROUSEL_SMOKE_CHECK_TIMEOUT_S:-120}
 OUT=${CAROUSEL_SMOKE_OUT:-$ROOT/out/compose-smoke}
 BREAK=${CAROUSEL_SMOKE_BREAK:-}
 INSTALL=${CAROUSEL_SMOKE_INSTALL:-1}
@@ -389,11 +395,22 @@ wait_healthy() {  # services...: each healthy within HEALTH_TIMEOUT_S of this ca
   done
 }
 
+# an engine's log, once it says how its CPU kernels went (ready, off or failed): healthy can
+# come first
+kernels_log() {  # $1: service; $2: where to write the log
+  local start=$SECONDS
+  while :; do
+    $ENGINE logs "$(service_id "$1")" > "$2" 2>&1 || true
+    grep -qE 'cpu_kernels_(ready|off|build_failed)' "$2" && return 0
+    [ $((SECONDS - start)) -ge "$KERNELS_TIMEOUT_S" ] && return 0
+    sleep 2
+  done
+}
 log "starting engine-orca and engine-static (each converts the model into a fresh volume)"
 up engine-orca engine-static
 wait_healthy engine-orca engine-static
 for svc in engine-orca engine-static; do  # the image's own CPU kernels, not torch's
-  $ENGINE logs "$(service_id "$svc")" > "$WORK/$svc-start.log" 2>&1 || true
+  kernels_log "$svc" "$WORK/$svc-start.log"
   "$PY" "$CHECKS" kernels-ready --service "$svc" "$WORK/$svc-start.log" || fail "$svc does not run the CPU kernels built into the image"
 done
 log "starting the gateway on 127.0.0.1:$GATEWAY_PORT"
@@ -430,8 +447,11 @@ for svc in gateway engine-orca engine-static; do
 done
 check metrics --record "$WORK/traffic.json" --scrape "gateway=$WORK/metrics-gateway.txt" \
     --baseline "$WORK/metrics-gateway-before.txt"
-check prometheus --url "http://127.0.0.1:$PROMETHEUS_PORT" --record "$WORK/traffic.json"
-check dashboard --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" \
+check prometheus --url "http://127.0.0.1:$PROMETHEUS_PORT" --record "$WORK/traffic.json" \
+    --timeout "$CHECK_TIMEOUT_S"
+# NOTE: each panel's query is polled until it has its series (a rate() needs two scrapes in
+# its window), then fails with what it lacks after CHECK_TIMEOUT_S
+check dashboard --prometheus "http://127.0.0.1:$PROMETHEUS_PORT" --timeout "$CHECK_TIMEOUT_S" \
     --scrape "gateway=$WORK/metrics-gateway.txt" --scrape "engine-orca=$WORK/metrics-engine-orca.txt" \
     --scrape "engine-static=$WORK/metrics-engine-static.txt"
 note "all checks passed; $(date -u +%Y-%m-%dT%H:%MZ) on $(uname -m), $(nproc) CPUs"

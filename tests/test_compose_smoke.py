@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,67 @@ def test_the_dashboard_check_reads_live_scrapes_and_leaves_rollout_panels_withou
         done = run_checks("dashboard", "--prometheus", prometheus, *scrapes)
     assert done.returncode == 0, done.stderr
     assert "3 rollout panels not checked live: gateway.yaml has no `rollout:`" in done.stdout
+
+
+def slow_prometheus(unfilled_answers: int, never: str | None = None) -> FastAPI:
+    """A stand-in Prometheus that answers each query with no series its first
+    `unfilled_answers` times (as a `rate()` has none until two scrapes fall in its window),
+    and never any for the queries that contain `never`; then a series per arm and job."""
+    app = FastAPI()
+    series = [{"metric": {"arm": a, "job": j}, "value": [0, "1"]} for a in ARMS for j in JOBS]
+    asked: dict[str, int] = {}
+
+    @app.get("/api/v1/query")
+    def query(query: str) -> dict[str, Any]:
+        asked[query] = asked.get(query, 0) + 1
+        filled = asked[query] > unfilled_answers and not (never and never in query)
+        result = series if filled else []
+        return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+    @app.get("/api/v1/label/{label}/values")
+    def values(label: str) -> dict[str, Any]:
+        return {"status": "success", "data": [MODEL]}
+
+    return app
+
+
+def dashboard_scrapes(tmp_path: Path) -> list[str]:
+    """`--scrape job=path` arguments whose files name every Carousel metric the dashboard's
+    queries read (the check wants each in a live scrape of its job)."""
+    text = (ROOT / "deploy" / "grafana" / "dashboards" / "carousel-ab.json").read_text()
+    names = sorted(set(re.findall(r"\bcarousel_[a-z0-9_]+", text)))
+    args = []
+    for job in JOBS:
+        path = tmp_path / f"{job}.txt"
+        path.write_text("".join(f"{name} 1\n" for name in names))
+        args += ["--scrape", f"{job}={path}"]
+    return args
+
+
+def test_the_dashboard_check_waits_for_each_panels_series(tmp_path: Path) -> None:
+    """Right after the traffic Prometheus has no series yet for the rate() panels: the check
+    polls until every panel is filled instead of failing on the first answer."""
+    with serve_app(slow_prometheus(unfilled_answers=1), ready_path=None) as prometheus:
+        done = run_checks(
+            "dashboard", "--prometheus", prometheus, "--timeout", "60", *dashboard_scrapes(tmp_path)
+        )
+    assert done.returncode == 0, done.stderr
+    assert "check: dashboard carousel-ab.json" in done.stdout
+
+
+def test_the_dashboard_check_names_the_panel_still_unfilled_at_its_deadline(
+    tmp_path: Path,
+) -> None:
+    with serve_app(slow_prometheus(0, never='job=~"engine-.*"'), ready_path=None) as prometheus:
+        done = run_checks(
+            "dashboard", "--prometheus", prometheus, "--timeout", "1", *dashboard_scrapes(tmp_path)
+        )
+    assert done.returncode == 1
+    assert (
+        "FAIL: panel 'Batch size per iteration (mean, p95)': Prometheus has series for [], "
+        "not each of ['engine-orca', 'engine-static']"
+    ) in done.stderr
+    assert "still, 1 s after the check began" in done.stderr
 
 
 def test_bad_break_knob_is_refused_before_anything_starts() -> None:

@@ -10,7 +10,10 @@ name the server answers with 404. This test reads each command from the fenced c
 - every other command (`serve`, `generate`: they need a real model, a GPU or minutes) goes
   through the CLI parser with its exact argv (prefix matching off), and `serve`/`generate`
   through the settings' validation too (files they name included), so a renamed flag or a
-  bad value fails here.
+  bad value fails here;
+- a `curl` of a local URL is sent, its method, headers and body as written, to the same sim
+  server, which must answer 200 (a `"stream": true` body: a stream ending `data: [DONE]`), so
+  a wrong path, model name or JSON body fails here.
 
 The substitutions, all of them (each keeps a command's meaning while fitting a test):
 
@@ -29,6 +32,7 @@ A doc marks a block with an HTML comment on the line before its fence, used spar
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -241,6 +245,106 @@ def test_documented_command_runs(
     assert main(argv) == 0, f"{command} (run as: carousel {shlex.join(argv)}) failed"
 
 
+# -- the curl requests ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DocCurl:
+    """One documented `curl` of a local URL: where it is and the request it sends."""
+
+    where: str
+    method: str
+    url: str
+    headers: tuple[tuple[str, str], ...]
+    data: str | None
+
+    def __str__(self) -> str:
+        return f"{self.where}: curl {self.method} {self.url}"
+
+
+#: the curl options the docs use, and whether each takes a value
+CURL_OPTIONS = {"-N": False, "--no-buffer": False, "-s": False, "-sS": False, "-S": False,
+                "-H": True, "--header": True, "-d": True, "--data": True, "-X": True}  # fmt: skip
+
+
+def shell_lines(lines: list[str]) -> Iterator[tuple[int, str]]:
+    """(offset, command) of a block's lines: `joined`'s, and a quote left open (a JSON body
+    over several lines) runs on into the next line."""
+    pending, first = "", 0
+    for offset, line in joined(lines):
+        if not pending:
+            first = offset
+        pending += ("\n" if pending else "") + line
+        try:
+            shlex.split(pending, comments=True)
+        except ValueError:  # an open quote
+            continue
+        yield first, pending
+        pending = ""
+
+
+def curl_request(words: list[str], where: str) -> DocCurl:
+    """The request a `curl ...` command line sends (its words after `curl`)."""
+    method, url, headers, data = "", "", [], None
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word.startswith("-"):
+            assert word in CURL_OPTIONS, f"{where}: curl {word}: an option this test cannot read"
+            value = words[i + 1] if CURL_OPTIONS[word] else ""
+            if word in ("-H", "--header"):
+                name, _, content = value.partition(":")
+                headers.append((name.strip(), content.strip()))
+            elif word in ("-d", "--data"):
+                data = value
+            elif word == "-X":
+                method = value
+            i += 2 if CURL_OPTIONS[word] else 1
+            continue
+        url, i = word, i + 1
+    return DocCurl(where, method or ("POST" if data else "GET"), url, tuple(headers), data)
+
+
+def doc_curls(paths: list[Path] = DOCS) -> list[DocCurl]:
+    """Every `curl` of a local URL in the docs' fenced blocks."""
+    found = []
+    for path in paths:
+        for start, lines, marker in fenced_blocks(path.read_text()):
+            if marker == "skip":
+                continue
+            for offset, line in shell_lines(lines):
+                words = shlex.split(line, comments=True)
+                if words[:1] == ["$"]:
+                    words = words[1:]
+                if words[:1] != ["curl"]:
+                    continue
+                shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                curl = curl_request(words[1:], f"{shown}:{start + offset}")
+                if LOCAL_URL.match(curl.url):
+                    found.append(curl)
+    return found
+
+
+CURLS = doc_curls()
+
+
+def test_the_readme_streams_its_first_request_with_curl() -> None:
+    [first, *_] = [c for c in CURLS if c.where.startswith("README.md:")]
+    assert first.data is not None and '"stream": true' in first.data, first
+
+
+@pytest.mark.parametrize("curl", CURLS, ids=str)
+def test_documented_curl_answers(curl: DocCurl, sim_server: SimServer) -> None:
+    url = LOCAL_URL.sub(sim_server.url, curl.url)
+    body = curl.data.encode() if curl.data is not None else None
+    reply = httpx.request(curl.method, url, headers=dict(curl.headers), content=body, timeout=60)
+    assert reply.status_code == 200, f"{curl}: {reply.status_code} {reply.text[:500]}"
+    if curl.data is not None and json.loads(curl.data).get("stream"):
+        events = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", f"{curl}: {reply.text[-500:]}"
+        assert len(events) > 2, f"{curl}: no content chunk in {reply.text[:500]}"
+
+
 # -- the rules themselves --------------------------------------------------------------------
 
 
@@ -285,3 +389,19 @@ def test_substitutions_are_the_documented_ones() -> None:
     ]
     report = ("ab", "report", "--url", "http://127.0.0.1:8000", "--window", "10m")
     assert substituted(report, url) == ["ab", "report", "--url", url, "--window", "2s"]
+
+
+def test_a_curl_over_several_lines_is_read_as_one_request(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "```bash\ncurl -N http://localhost:8000/v1/chat/completions -H 'A: b' \\\n"
+        '  -d \'{"model": "m",\n       "stream": true}\'\n'
+        "curl http://gpu-box:8000/v1/models\n```\n"
+    )
+    [curl] = doc_curls([doc])
+    assert (curl.method, curl.url, curl.headers) == (
+        "POST",
+        "http://localhost:8000/v1/chat/completions",
+        (("A", "b"),),
+    )
+    assert json.loads(curl.data or "") == {"model": "m", "stream": True}
