@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/carousel serve
 
-# the whole suite, real-model and slow tests included
+# the whole suite, real-model and slow tests included, on two workers (pytest-xdist: each
+# file on one worker, its models loaded once; a test marked `serial` runs alone with every
+# core: tests/parallel.py); the ten slowest are listed at the end
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # the quick loop: no real-model, no slow tests
 test-fast: install

@@ -1,4 +1,5 @@
-"""Shared fixtures: a live Carousel server (uvicorn on a loopback socket, in a thread)."""
+"""Shared fixtures: a live Carousel server (uvicorn on a loopback socket, in a thread); the
+suite's hooks for running under pytest-xdist (tests/parallel.py)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,31 @@ from gateway.arms.deployment import Deployment
 from gateway.arms.local import LocalArm
 from gateway.settings.load import Settings
 from schedulers.base import SchedulerConfig
+from tests import parallel
 
 SIM_MODEL = "sim-model"
 #: a minimal valid chat body for the simulator server
 CHAT = {"model": SIM_MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    parallel.configure(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    parallel.unconfigure(config)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    parallel.mark_timed_tests_serial(items)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
+    """Under xdist, each test holds the machine as tests/parallel.py says (outermost, so a
+    wait for the lock is not counted in the test's timeout)."""
+    with parallel.machine_share(item):
+        return (yield)
 
 
 class LoopKiller(BaseException):
@@ -149,6 +171,17 @@ def server() -> Iterator[LiveServer]:
     """One shared fast server (instant simulator) for tests that do not change settings."""
     with ExitStack() as stack:
         yield start_server(stack)
+
+
+@pytest.fixture(scope="session")
+def default_model_url() -> Iterator[str]:
+    """The default model (SmolLM2-135M-Instruct, torch backend, its default dtype) served once
+    per session (per xdist worker) for every module that only sends it requests: its start-up
+    is the slowest part of those modules (20-50 s here). The first load converts the GGUF
+    into ~/.cache/carousel (about 20 s more)."""
+    settings = Settings(backend="torch", model="default", max_model_len=2048, max_num_seqs=4)
+    with serve_app(create_app(settings), ready_timeout_s=300) as url:
+        yield url
 
 
 def sse_payloads(body: str) -> list[str]:

@@ -66,8 +66,11 @@ def carousel_serves(runs: list[tuple[list[str], str]], folder: Path) -> Iterator
 
 
 @contextmanager
-def serve_processes(runs: list[tuple[list[str], str]], folder: Path) -> Iterator[list[Served]]:
-    """As `carousel_serves`, yielding each process too (a test that kills one by its pid)."""
+def serve_processes(
+    runs: list[tuple[list[str], str]], folder: Path, health_timeout_s: float = 60
+) -> Iterator[list[Served]]:
+    """As `carousel_serves`, yielding each process too (a test that signals or kills one by
+    its pid, or reads its log); `health_timeout_s` for a start-up that loads a model."""
     with ExitStack() as stack:
         served = []
         for args, name in runs:
@@ -76,7 +79,7 @@ def serve_processes(runs: list[tuple[list[str], str]], folder: Path) -> Iterator
             proc = stack.enter_context(carousel_process(command, folder, name))
             served.append(Served(proc, f"http://127.0.0.1:{port}", folder / f"{name}.log"))
         for proc, url, log in served:
-            wait_healthy(proc, url, log)
+            wait_healthy(proc, url, log, health_timeout_s)
         yield served
 
 

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,6 +16,7 @@ import pytest
 
 from gateway.cli import build_parser, load_settings, main
 from gateway.settings.load import Settings
+from tests.serve_process import Served, serve_processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,61 +104,17 @@ def test_gateway_never_imports_torch() -> None:
 # -- the real `carousel serve` in a subprocess ---------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class CliServer:
-    url: str
-    proc: subprocess.Popen[str]
-    log_path: Path
-
-
 @pytest.fixture(scope="module")
-def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
-    """`carousel serve --backend sim` on a free port, stopped (SIGINT) at teardown."""
-    script = Path(sys.executable).with_name("carousel")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "gateway.cli"]
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    flags = ["--backend", "sim", "--port", str(port), "--served-model-name", "sim"]
+def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`carousel serve --backend sim` on a free port (tests/serve_process.py), stopped by
+    SIGINT at teardown unless a test stopped it."""
+    flags = ["--backend", "sim", "--served-model-name", "sim"]
     flags += ["--api-key", "sekret-key", "--sim-time-scale", "0.1"]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [*command, "serve", *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    server = CliServer(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        wait_healthy(server)
+    with serve_processes([(flags, "serve")], tmp_path_factory.mktemp("serve")) as (server,):
         yield server
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
-def wait_healthy(server: CliServer) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        assert server.proc.poll() is None, server.log_path.read_text()
-        assert time.monotonic() < deadline, "carousel serve did not become healthy"
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-
-
-def test_serve_subprocess_answers_the_sdk_with_keys(cli_server: CliServer) -> None:
+def test_serve_subprocess_answers_the_sdk_with_keys(cli_server: Served) -> None:
     client = openai.OpenAI(base_url=f"{cli_server.url}/v1", api_key="sekret-key", max_retries=0)
     reply = client.chat.completions.create(
         model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=5
@@ -172,7 +125,7 @@ def test_serve_subprocess_answers_the_sdk_with_keys(cli_server: CliServer) -> No
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_serve_subprocess_streams_to_curl(cli_server: CliServer) -> None:
+def test_serve_subprocess_streams_to_curl(cli_server: Served) -> None:
     body = {"model": "sim", "prompt": "hello", "max_tokens": 4, "stream": True}
     body["stream_options"] = {"include_usage": True}
     command = ["curl", "-sS", "-N", f"{cli_server.url}/v1/completions"]
@@ -187,7 +140,7 @@ def test_serve_subprocess_streams_to_curl(cli_server: CliServer) -> None:
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
-def test_serve_subprocess_stops_cleanly_and_logged_json(cli_server: CliServer) -> None:
+def test_serve_subprocess_stops_cleanly_and_logged_json(cli_server: Served) -> None:
     httpx.post(
         f"{cli_server.url}/v1/completions",
         json={"model": "sim", "prompt": "private words", "max_tokens": 2},
@@ -195,7 +148,7 @@ def test_serve_subprocess_stops_cleanly_and_logged_json(cli_server: CliServer) -
     )
     cli_server.proc.send_signal(signal.SIGINT)
     assert cli_server.proc.wait(15) == 0
-    text = cli_server.log_path.read_text()
+    text = cli_server.log.read_text()
     lines = [json.loads(line) for line in text.splitlines()]  # every line is JSON
     requests = [line for line in lines if line.get("event") == "request"]
     assert requests and all(r["status"] in (200, 401) for r in requests)

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-
-from gateway.app import create_app
-from gateway.settings.load import Settings
-from tests.conftest import serve_app
 
 pytestmark = pytest.mark.real_model
 
@@ -20,11 +14,9 @@ QUESTION: list[ChatCompletionMessageParam] = [
 
 
 @pytest.fixture(scope="module")
-def real_client() -> Iterator[openai.OpenAI]:
-    # NOTE: the first load converts the GGUF into ~/.cache/carousel (about 20 s).
-    settings = Settings(backend="torch", model="default", max_model_len=2048, max_num_seqs=4)
-    with serve_app(create_app(settings), ready_timeout_s=300) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+def real_client(default_model_url: str) -> openai.OpenAI:
+    """A client of the session's default-model server (tests/conftest.py)."""
+    return openai.OpenAI(base_url=f"{default_model_url}/v1", api_key="unused", max_retries=0)
 
 
 def test_default_model_answers_the_capital_of_france(real_client: openai.OpenAI) -> None:

@@ -9,60 +9,29 @@ process exits 0.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.test_gateway_cli import free_port
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Serving:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
+from tests.serve_process import Served, serve_processes
 
 
 @contextmanager
-def carousel_serve(tmp_path: Path, *flags: str) -> Iterator[Serving]:
-    """`carousel serve --backend sim` on a free port (killed at exit if still running)."""
-    script = Path(sys.executable).with_name("carousel")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "gateway.cli"]
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    args = ["serve", "--backend", "sim", "--port", str(port), "--served-model-name", "sim"]
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [*command, *args, *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    serving = Serving(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        deadline = time.monotonic() + 60
-        while not healthy(serving):
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "carousel serve did not become healthy"
-            time.sleep(0.1)
+def carousel_serve(tmp_path: Path, *flags: str) -> Iterator[Served]:
+    """`carousel serve --backend sim` on a free port (tests/serve_process.py), its log in
+    `tmp_path/serve.log`; stopped at exit if a test left it running."""
+    args = ["--backend", "sim", "--served-model-name", "sim", *flags]
+    with serve_processes([(args, "serve")], tmp_path) as (serving,):
         yield serving
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
-def healthy(serving: Serving) -> bool:
+def healthy(serving: Served) -> bool:
     try:
         return httpx.get(f"{serving.url}/health", timeout=1).status_code == 200
     except httpx.TransportError:
@@ -83,7 +52,7 @@ def chat(max_tokens: int, stream: bool) -> dict[str, Any]:
 
 @contextmanager
 def stream_in_flight(
-    srv: Serving, http: httpx.Client, max_tokens: int
+    srv: Served, http: httpx.Client, max_tokens: int
 ) -> Iterator[tuple[Iterator[str], str]]:
     """A streamed chat on `srv`, entered once its first data chunk arrived: (lines, that chunk).
 
@@ -144,7 +113,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path: Pat
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
         assert srv.proc.wait(8 + 5) == 0
         assert time.monotonic() - signalled < 8 + 5
-    log = srv.log_path.read_text()
+    log = srv.log.read_text()
     assert '"drain_started"' in log and '"drain_finished"' in log and "drain_timeout" not in log
 
 
@@ -164,7 +133,7 @@ def test_sigterm_ends_what_outlives_the_drain_with_an_error(tmp_path: Path) -> N
         assert time.monotonic() - signalled < 1 + 4
         assert srv.proc.wait(1 + 5) == 0
         assert time.monotonic() - signalled < 1 + 5
-    log = srv.log_path.read_text()
+    log = srv.log.read_text()
     assert '"drain_timeout"' in log
     requests = [json.loads(line) for line in log.splitlines() if '"event": "request"' in line]
     assert [r["status"] for r in requests] == [503]  # the cut stream, logged once
@@ -208,4 +177,4 @@ def test_a_second_sigterm_ends_in_flight_streams_at_once(tmp_path: Path) -> None
         assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
         assert srv.proc.wait(10) == 0
         assert time.monotonic() - signalled < 5  # not the 30 s drain
-    assert '"drain_skipped"' in srv.log_path.read_text()
+    assert '"drain_skipped"' in srv.log.read_text()

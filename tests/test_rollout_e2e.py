@@ -241,6 +241,7 @@ def _control_rollout(
         return _drive_in_process(url, users, deadline_s)
 
 
+@pytest.mark.serial  # a decision through four steps inside a 90 s deadline
 def test_a_faster_candidate_is_promoted_through_the_default_steps_against_its_control() -> None:
     """Paced sim engines (their step time grows with the batch, so latency with load): the
     candidate's engine runs 3x faster than the baseline's and the control's, each compared

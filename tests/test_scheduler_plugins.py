@@ -4,13 +4,9 @@ its own package (an entry point of the `carousel.schedulers` group), served besi
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +18,7 @@ from schedulers.base import SchedulerConfig
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
+from tests.serve_process import carousel_serve
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "carousel_spf_plugin"
@@ -115,6 +112,7 @@ def _python(code: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # it installs into the venv every worker imports from
 def test_an_installed_policy_is_found_by_name_and_by_class(installed_plugin: None) -> None:
     names = _python("from schedulers.registry import available_schedulers as a; print(a())")
     assert "'spf'" in names and "'orca'" in names
@@ -124,6 +122,7 @@ def test_an_installed_policy_is_found_by_name_and_by_class(installed_plugin: Non
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its teardown uninstalls from the venv every worker imports from
 def test_an_installed_policy_serves_as_an_arm_beside_orca(
     installed_plugin: None, tmp_path: Path
 ) -> None:
@@ -133,22 +132,8 @@ def test_an_installed_policy_serves_as_an_arm_beside_orca(
         "  - {name: orca, scheduler: orca}\n"
         "  - {name: spf, scheduler: spf, max_wait_s: 2}\n"
     )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]
-    proc = subprocess.Popen(
-        [*command, "--port", str(port), "--log-level", "warning"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc)
+    args = ["--config", str(config), "--log-level", "warning"]
+    with carousel_serve(args, tmp_path) as url:
         body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         for arm in ("orca", "spf"):
             response = httpx.post(
@@ -158,24 +143,3 @@ def test_an_installed_policy_serves_as_an_arm_beside_orca(
             assert response.headers["X-Carousel-Arm"] == arm
         trace = httpx.get(f"{url}/debug/trace").json()["arms"]
         assert trace["spf"]["scheduler"] == "spf" and trace["spf"]["iterations"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stderr.read() if proc.stderr else "serve exited")
-        assert time.monotonic() < deadline, "carousel serve did not become healthy"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)

@@ -5,24 +5,23 @@ processes that shutdown kills, not in threads the interpreter waits for at exit.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.test_gateway_cli import free_port
+from tests.serve_process import serve_processes
 
-REPO = Path(__file__).resolve().parents[1]
 DRAIN_S = 1.0
 #: 3,000 optional properties: xgrammar takes tens of seconds on the tiny byte vocabulary
 SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
 
 
+@pytest.mark.serial  # it times the exit to within 3 s
 def test_sigterm_with_a_compile_in_flight_exits_within_the_drain_time_plus_3_s(
     tmp_path: Path,
 ) -> None:
@@ -31,26 +30,13 @@ def test_sigterm_with_a_compile_in_flight_exits_within_the_drain_time_plus_3_s(
     model_dir = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
-    command = [sys.executable, "-m", "gateway.cli"]  # this tree's code, run from REPO
-    port = free_port()
     args = [
-        "serve", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
-        "--kv-cache-gb", "0.01", "--port", str(port), "--served-model-name", "tiny",
+        "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+        "--kv-cache-gb", "0.01", "--served-model-name", "tiny",
         "--drain-timeout-s", str(DRAIN_S), "--grammar-compile-timeout-s", "120",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [*command, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "carousel serve did not become healthy"
-            time.sleep(0.2)
+    with serve_processes([(args, "serve")], tmp_path, health_timeout_s=120) as (served,):
+        proc, url, log_path = served
         body = {
             "model": "tiny",
             "prompt": "x",
@@ -81,14 +67,3 @@ def test_sigterm_with_a_compile_in_flight_exits_within_the_drain_time_plus_3_s(
         assert took < DRAIN_S + 3, f"exited {took:.1f} s after SIGTERM"
         sender.join(10)
         assert replies == [503]  # server_shutting_down, answered before the exit
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False

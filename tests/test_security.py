@@ -138,7 +138,7 @@ def test_keys_and_prompts_never_reach_the_logs_of_carousel_serve(tmp_path: Path)
             http.get("/nowhere", headers=headers)
             http.post("/v1/chat/completions", content=b"{not json", headers=headers)
         assert http.get("/v1/models", headers=bearer(KEY)).status_code == 200
-    log = srv.log_path.read_text()
+    log = srv.log.read_text()
     statuses = [json.loads(ln)["status"] for ln in log.splitlines() if '"event": "request"' in ln]
     assert statuses.count(401) >= 4 and statuses.count(200) >= 4  # the requests were logged
     assert '"level": "debug"' in log  # debug level really was on

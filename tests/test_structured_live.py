@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from gateway.app import create_app
-from gateway.settings.load import Settings
-from tests.conftest import serve_app
 
 pytestmark = pytest.mark.real_model
 
@@ -66,10 +61,9 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    settings = Settings(backend="torch", model="default", max_model_len=2048, max_num_seqs=4)
-    with serve_app(create_app(settings), ready_timeout_s=300) as url:
-        yield f"{url}/v1"
+def base_url(default_model_url: str) -> str:
+    """The session's default-model server (tests/conftest.py)."""
+    return f"{default_model_url}/v1"
 
 
 @pytest.fixture(scope="module")

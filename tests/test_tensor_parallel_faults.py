@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,9 +26,10 @@ from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.testing.tiny_models import TINY, tiny_tokenizer
 from gateway.arms.local import LocalArm
 from tests.conftest import SIM_MODEL, LiveServer, error_of
-from tests.test_gateway_cli import free_port
+from tests.serve_process import serve_processes
 
-REPO = Path(__file__).resolve().parents[1]
+#: each test times a fault (a rank killed, hung or slow) to within seconds
+pytestmark = pytest.mark.serial
 LONG = 2048
 # a random model may sample <eos> at any step; these tests are about faults, not stopping
 NO_EOS = {"ignore_eos": True}
@@ -145,33 +145,12 @@ def children_of(pid: int) -> set[int]:
 
 @contextmanager
 def tp_server(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`carousel serve --tensor-parallel-size 2` on the tiny model (killed at exit)."""
-    script = Path(sys.executable).with_name("carousel")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CAROUSEL_")}
-    args = ["serve", "--model", str(model_dir), "--tensor-parallel-size", "2", "--device",
-            "cpu", "--port", str(port), "--served-model-name", SIM_MODEL]  # fmt: skip
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [str(script), *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(healthy, 120, "carousel serve --tensor-parallel-size 2 never became healthy")
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    """`carousel serve --tensor-parallel-size 2` on the tiny model (tests/serve_process.py:
+    stopped at exit if a test left it running)."""
+    args = ["--model", str(model_dir), "--tensor-parallel-size", "2", "--device", "cpu",
+            "--served-model-name", SIM_MODEL]  # fmt: skip
+    with serve_processes([(args, "serve")], tmp_path, health_timeout_s=120) as (served,):
+        yield served.proc, served.url
 
 
 @pytest.mark.slow
