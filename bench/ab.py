@@ -11,6 +11,11 @@ Sources, in order of preference:
   the running gauges polled in between.
 - neither: one scrape; the numbers cover everything since the server started.
 
+Refused (exit 1, with the reason) when a scrape shows a compared arm's CPU kernels still
+building in the background (`carousel_cpu_kernels_building`): its numbers would mix two paths
+(bench/kernels_wait.py). A traffic record or Prometheus range holds no such series yet, so
+those sources are not checked.
+
 From histograms, quantiles are interpolated inside buckets (Prometheus' histogram_quantile)
 and their intervals come from resampling the bucket counts (multinomial); TPOT has no
 histogram, and goodput only has its TTFT part.
@@ -43,6 +48,7 @@ import numpy as np
 
 from bench.ab_load import engines_of, load_entry
 from bench.client import RequestResult
+from bench.kernels_wait import KernelsNotReady
 from bench.metrics import Slo, parse_slo
 from bench.prom import (
     E2E,
@@ -53,6 +59,7 @@ from bench.prom import (
     Histogram,
     PrometheusAPI,
     Scrape,
+    building_in,
     parse_duration,
     scrape,
 )
@@ -368,6 +375,9 @@ def run_report(args: argparse.Namespace) -> int:
         return _usage("--prometheus needs --since (the window to query)")
     try:
         report = build_ab_report(args)
+    except KernelsNotReady as exc:
+        print(f"carousel ab report: refused: {exc}", file=sys.stderr)
+        return EXIT_NO_DATA
     except (httpx.HTTPError, OSError, ValueError) as exc:
         print(f"carousel ab report: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_NO_DATA if isinstance(exc, httpx.HTTPError) else EXIT_USAGE
@@ -403,13 +413,16 @@ def build_ab_report(args: argparse.Namespace) -> dict[str, Any]:
     current: Scrape | None = None
     window: Scrape | None = None
     running: dict[str, list[float]] = {}
+    scrapes: list[Scrape] = []  # every /metrics read: an arm building in one refuses them all
     now = time.time()
     with httpx.Client(timeout=30, headers=headers, trust_env=False) as client:
         if args.url:
             current = scrape(client, args.url)
+            scrapes.append(current)
         if args.url and args.window is not None and not args.record:
             window, polls = _poll_window(client, args.url, args.window)
             current = polls[-1]
+            scrapes += polls
             for poll in polls:
                 for (_, arm_name), value in poll.values.get(RUNNING, {}).items():
                     running.setdefault(arm_name, []).append(value)
@@ -431,6 +444,13 @@ def build_ab_report(args: argparse.Namespace) -> dict[str, Any]:
     arms = list(dict.fromkeys(args.arm)) or _arms(current, window, records, model)
     if len(arms) < 2:
         raise ValueError(f"need two arms to compare, found {arms or 'none'}")
+    unready = building_in(scrapes, model, arms)
+    if unready:
+        raise KernelsNotReady(
+            f"the CPU kernels of {', '.join(unready)} were building in the background while "
+            "measured: their numbers mix torch's ops and the kernels (about 2x apart a token); "
+            "measure once /health names them `carousel`"
+        )
     local = set((current.values.get(RUNNING, {}) if current else {}).keys())
     local_arms = {a for m, a in local if m == model}
     source, window_text = _describe(args)

@@ -18,12 +18,20 @@ from urllib.parse import urlsplit
 from bench.client import ClientConfig
 from bench.exact_prompts import UNMEASURED
 from bench.extra import missing_message, missing_modules
+from bench.kernels_wait import (
+    DEFAULT_WAIT_S,
+    KernelsNotReady,
+    serving_kernels,
+    switched,
+    wait_for_kernels,
+)
 from bench.metrics import Slo, parse_slo
 from bench.probe import ProbeError, default_model, measure_prompt_cost, probe_arms
 from bench.public_traces import FORMATS, detect_format, load_trace
 from bench.replay import load_records, replay_workload
 from bench.runner import BenchConfig, run_bench
 from bench.summary import terminal_lines
+from bench.trace import server_root
 from bench.trace_replay import select_rows, trace_workload
 from bench.workload import (
     PRESETS,
@@ -264,6 +272,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_arg_type(_non_negative_int, "count"),
         default=1,
         help="unmeasured requests sent to each arm before its run (default: 1)",
+    )
+    load.add_argument(
+        "--kernels-wait-s",
+        type=_arg_type(_non_negative_float, "seconds"),
+        default=DEFAULT_WAIT_S,
+        help="wait up to this long for a Carousel arm's CPU kernels, still building in the "
+        "background, to serve before measuring; refuse after it (default: %(default)g)",
     )
     load.add_argument(
         "--max-concurrency",
@@ -528,6 +543,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"carousel bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
     specs = workloads[0]
+    root = server_root(cfg.client.api_base)
+
+    def read_kernels() -> dict[str, str]:
+        return serving_kernels(root, cfg.client.api_key)
+
+    try:
+        before = wait_for_kernels(read_kernels, args.kernels_wait_s, say=_say)
+    except KernelsNotReady as exc:
+        print(f"carousel bench: nothing was run: {exc}", file=sys.stderr)
+        return EXIT_NO_SUCCESS
     try:
         probes = probe_arms(cfg.client, specs[0], cfg.arms)
     except ProbeError as exc:
@@ -545,6 +570,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("carousel bench: aborted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    after = read_kernels()
+    result.kernels = {"before": before, "after": after, "switched": switched(before, after)}
     from bench.report import write_report
 
     report_path = write_report(cfg, specs, result)
@@ -553,12 +580,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"report: {report_path} and {report_path.with_suffix('.md')}")
     if result.interrupted:
         return EXIT_INTERRUPTED
+    if result.kernels["switched"]:
+        mixed = "; ".join(result.kernels["switched"])
+        print(f"carousel bench: invalid run: it mixed two paths ({mixed})", file=sys.stderr)
+        return EXIT_NO_SUCCESS
     if not any(run.metrics["completed"] for run in result.runs):
         errors = [e for run in report["runs"] for e in run["errors"]]
         why = errors[0] if errors else "no request was sent"
         print(f"carousel bench: no request succeeded: {why}", file=sys.stderr)
         return EXIT_NO_SUCCESS
     return EXIT_OK
+
+
+def _say(line: str) -> None:
+    print(f"carousel bench: {line}", file=sys.stderr)
 
 
 def _workloads(

@@ -106,6 +106,12 @@ class FakeOptions:
     #: per arm, every k-th request of it answers " other" tokens instead of " tok" (answers
     #: that differ from another arm's; by default every arm answers every prompt alike)
     answer_changes: dict[str, int] = field(default_factory=dict)
+    #: what `/health` names as each local arm's CPU-kernel path (`model/arm` -> `torch`,
+    #: `building`, `carousel`; bench/kernels_wait.py); None: a `/health` without the field.
+    #: Mutable: a test flips it while the bench waits
+    kernels: dict[str, str] | None = None
+    #: the paths `kernels` takes once the workload's first request arrives (a switch mid-run)
+    kernels_mid_run: dict[str, str] | None = None
 
 
 def _sse(obj: Any) -> str:
@@ -145,6 +151,8 @@ def make_app(opts: FakeOptions, seen: list[dict[str, Any]]) -> FastAPI:
                 media_type="text/event-stream",
             )
         seen.append({"arm": arm, "body": body})
+        if opts.kernels_mid_run is not None:
+            opts.kernels = opts.kernels_mid_run
         counters[arm] = counters.get(arm, 0) + 1
         if opts.fail_every and counters[arm] % opts.fail_every == 0:
             error = {"message": "boom", "type": "server_error", "param": None, "code": None}
@@ -199,6 +207,12 @@ def make_app(opts: FakeOptions, seen: list[dict[str, Any]]) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if opts.kernels is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "kernels": dict(opts.kernels)})
 
     @app.get("/v1/models")
     async def models() -> Response:

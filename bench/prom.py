@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ E2E = "carousel_e2e_request_latency_seconds"
 RUNNING = "carousel_num_requests_running"
 ITERATIONS = "carousel_iterations_total"
 ARM_INFO = "carousel_arm_info"
+#: 1 while an arm serves on torch's ops and its CPU kernels build (bench/kernels_wait.py)
+KERNELS_BUILDING = "carousel_cpu_kernels_building"
 HISTOGRAMS = (TTFT, ITL, E2E)
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -121,7 +124,7 @@ def parse_exposition(text: str, at: float | None = None) -> Scrape:
                 name = sample.name[: -len("_bucket")]
                 per_key = buckets.setdefault(name, {}).setdefault(key, {})
                 per_key[float(labels["le"])] = sample.value
-            elif sample.name in (RUNNING, ITERATIONS):
+            elif sample.name in (RUNNING, ITERATIONS, KERNELS_BUILDING):
                 scrape.values.setdefault(sample.name, {})[key] = sample.value
     for name, per_arm in buckets.items():
         scrape.histograms[name] = {k: Histogram.from_cumulative(b) for k, b in per_arm.items()}
@@ -193,3 +196,16 @@ class PrometheusAPI:
             arm = series["metric"].get("arm", "")
             out[arm] = [values.get(round(float(t), 3), 0.0) for t in grid]
         return out
+
+
+def building_in(scrapes: Iterable[Scrape], model: str, arms: Iterable[str]) -> list[str]:
+    """The arms among `arms` of `model` that any of `scrapes` shows building their CPU kernels
+    in the background (their numbers then mix torch's ops and the kernels')."""
+    wanted = set(arms)
+    seen = {
+        arm
+        for scrape in scrapes
+        for (m, arm), value in scrape.values.get(KERNELS_BUILDING, {}).items()
+        if m == model and arm in wanted and value > 0
+    }
+    return sorted(seen)

@@ -27,8 +27,13 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
                       "n_arm", "method", "note", "sentence"}],
       "ratios": [{"rate", "baseline", "arm", "<metric>_ratio", ...}],
       "files": {"report_md", "requests", "plots": [file names], "verdict_plots": [file names]},
+      "kernels": {} | {"before": {"model/arm": "torch" | "building" | "carousel"},
+                       "after": {...}, "switched": ["model/arm: before -> after"]},
       "notes": [str]
     }
+
+`kernels`: each local arm's CPU-kernel path as the server's /health named it before and after
+the runs (bench/kernels_wait.py); a non-empty `switched` makes the report invalid (a note).
 
 `comparison` is the verdict (bench/verdict.py: `diff` is relative, arm / baseline - 1, and
 `diff_abs` absolute, both with 95% bootstrap intervals). `ratios` are the plain arm / baseline
@@ -138,6 +143,11 @@ def build_report(
         notes += [f"replay skipped {n} records: {why}" for why, n in cfg.replay["skipped"].items()]
     if len(cfg.arms) > 1 and not cfg.slo.active:
         notes.append("no goodput in the verdict: give --slo ttft=...,tpot=... to compare it")
+    if result.kernels.get("switched"):
+        notes.append(
+            "INVALID: an arm switched from torch's ops to Carousel's CPU kernels during the "
+            f"runs, so they mix two paths ({'; '.join(result.kernels['switched'])})"
+        )
     if result.interrupted:
         notes.append(
             "interrupted (Ctrl-C): later runs did not start, in-flight requests "
@@ -174,6 +184,7 @@ def build_report(
             "plots": plots,
             "verdict_plots": verdict_plots or [],
         },
+        "kernels": result.kernels,
         "notes": notes,
     }
 

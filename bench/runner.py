@@ -99,6 +99,9 @@ class BenchResult:
 
     runs: list[RunRecord]
     interrupted: bool
+    #: each local arm's CPU-kernel path before and after the runs, and what switched
+    #: between them (bench/kernels_wait.py); empty where the server names none
+    kernels: dict[str, Any] = field(default_factory=dict)
 
 
 def arm_name(arm: str | None) -> str:

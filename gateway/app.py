@@ -141,6 +141,7 @@ def rollouts(
     notes = unsampled_notes(build_spec(rollout), upstream)
     for note in notes:
         log.warning("rollout_unsampled", model=deployment.name, note=note)
+    by_name = {a.name: a for a in deployment.primaries}
     controller = RolloutController(
         deployment.name,
         rollout,
@@ -149,6 +150,7 @@ def rollouts(
         RolloutMetrics(metrics.registry),
         topology=settings.rollout_topology(),
         notes=notes,
+        measurement_ready=lambda name: by_name[name].measurement_ready,
     )
     return {deployment.name: controller}
 

@@ -1,5 +1,11 @@
 """What one request is: the data the route, the serving pipeline and the access log share
-(the services it reports to are gateway/services.py's)."""
+(the services it reports to are gateway/services.py's).
+
+Its fields are set when the route has parsed and authenticated the request (the
+constructor, or `dataclasses.replace` while the route builds it) and only read afterwards;
+what happens to it while it is served is its `outcome` (gateway/outcome.py), whose methods
+are the only writers of those figures.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from gateway.outcome import RequestOutcome
 
 #: status recorded for a request whose client went away (nginx's convention)
 CLIENT_CLOSED = 499
@@ -18,10 +26,12 @@ class ClientDisconnected(Exception):
 
 @dataclass
 class RequestContext:
-    """What one request is, and what the access log line and metrics will say about it.
+    """What one request is, and (`outcome`) what the access log line and metrics will say
+    about it.
 
-    The pipeline fills `arm`, token counts, `ttft_s` and `finish_reasons`;
+    The pipeline records the arm, token counts, TTFT and finish reasons in `outcome`;
     `RequestServices.finish` reports it (log line, metrics, traffic record), exactly once.
+    The outcome's figures read through this object too (the reports read one object).
     """
 
     request_id: str
@@ -32,23 +42,8 @@ class RequestContext:
     log_prompts: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     start: float = field(default_factory=time.monotonic)
-    arm: str | None = None
-    #: the arm the split drew for this request (None: pinned or continued, not drawn); it
-    #: differs from `arm` when the drawn arm could not serve and another did
-    arm_drawn: str | None = None
-    scheduler: str | None = None
-    prompt_tokens: int = 0
-    #: of the prompt tokens, those the prefix cache served (first choice of each prompt)
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    ttft_s: float | None = None
-    finish_reasons: list[str] = field(default_factory=list)
-    prompt_text: str | None = None
     #: the JSON body as the client sent it (upstream arms forward it)
     raw_body: dict[str, Any] = field(default_factory=dict)
-    #: gaps between successive token deliveries of this request (inter-token latency)
-    itl_s: list[float] = field(default_factory=list)
-    _last_token_at: float | None = None
     #: the engine's id; differs from `request_id` (by a suffix) when the client chose that
     engine_request_id: str = ""
     #: the first token's deadline, ms after arrival (`X-Carousel-Deadline-Ms`; `edf` reads it)
@@ -62,28 +57,50 @@ class RequestContext:
     principal: str = "anonymous"
     #: the request's `user` field (the split's unit under `assignment: user`)
     user: str | None = None
-    #: called once when the arm has accepted the request (shadow arms get their copy then)
-    on_accepted: Callable[[], None] | None = None
     #: the path the traffic record's lines name
     path: str = ""
-    #: set by the first `RequestServices.finish` (later calls report nothing)
-    finished: bool = False
+    #: what happened to it; shared by the copies `dataclasses.replace` makes
+    outcome: RequestOutcome = field(default_factory=RequestOutcome)
 
     def __post_init__(self) -> None:
         self.engine_request_id = self.engine_request_id or self.request_id
 
-    def accept(self) -> None:
-        """The arm took the request (it is queued, or its upstream answered): run
-        `on_accepted`, once."""
-        callback, self.on_accepted = self.on_accepted, None
-        if callback is not None:
-            callback()
+    @property
+    def arm(self) -> str | None:
+        return self.outcome.arm
 
-    def mark_token(self) -> None:
-        """Record a token delivery: the first sets TTFT, later ones add an ITL gap."""
-        now = time.monotonic()
-        if self.ttft_s is None:
-            self.ttft_s = now - self.start
-        elif self._last_token_at is not None:
-            self.itl_s.append(now - self._last_token_at)
-        self._last_token_at = now
+    @property
+    def arm_drawn(self) -> str | None:
+        return self.outcome.arm_drawn
+
+    @property
+    def scheduler(self) -> str | None:
+        return self.outcome.scheduler
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.outcome.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.outcome.cached_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.outcome.completion_tokens
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.outcome.ttft_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        return self.outcome.itl_s
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return self.outcome.finish_reasons
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.outcome.prompt_text

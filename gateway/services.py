@@ -40,9 +40,8 @@ class RequestServices:
 
     def finish(self, ctx: RequestContext, status: int, error: str | None = None) -> None:
         """Log `ctx` and count it in the metrics (only the first call per request counts)."""
-        if ctx.finished:
+        if not ctx.outcome.mark_finished():
             return
-        ctx.finished = True
         total_s = time.monotonic() - ctx.start
         fields: dict[str, Any] = {
             "request_id": ctx.request_id,

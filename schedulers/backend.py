@@ -60,6 +60,13 @@ class Backend(abc.ABC):
         return {}
 
     @property
+    def serving_kernels(self) -> str | None:
+        """Which ops serve its forward (load_phase.py's `KERNELS_*`: `torch`, `building` while
+        Carousel's CPU kernels build in the background, `carousel`); None: not a CPU forward
+        (the sim, CUDA)."""
+        return None
+
+    @property
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
         """Number and size of KV blocks this backend allocated."""

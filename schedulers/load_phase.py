@@ -22,6 +22,19 @@ CONVERTING_MODEL = "converting_model"
 BUILDING_KERNELS = "building_kernels"
 WAITING_FOR_KERNELS = "waiting_for_kernels"
 WARMING_UP = "warming_up"
+#: not a phase of a load: the `X-Carousel-Load-Phase` of a server that serves (on torch's
+#: ops) while Carousel's CPU kernels build in the background (backends/torch/runner/
+#: kernel_switch.py); `/health` answers 200 meanwhile
+BUILDING_KERNELS_IN_BACKGROUND = "building_kernels_in_background"
+
+#: which ops serve a local arm's CPU forward (`Backend.kernels`; `/health`, `/metrics`):
+#: torch's maintained ops (the kernels off, unable to run here, or their build failed) ...
+KERNELS_TORCH = "torch"
+#: ... torch's ops while Carousel's kernels build in the background, to take over between two
+#: steps: a measurement must not span it (bench, `ab report` and a rollout wait or refuse)
+KERNELS_BUILDING = "building"
+#: ... Carousel's own CPU kernels (backends/torch/cpu_kernels)
+KERNELS_CAROUSEL = "carousel"
 
 
 @dataclass(frozen=True)

@@ -207,3 +207,15 @@ def redis_url() -> Iterator[str]:
 
     with redis_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """Carousel's CPU kernels built (or found) before any test starts a server, as before
+    issue 52: a server that finds them missing serves on torch's ops and builds them in the
+    background, whose compilers a test that stops its server would leave running
+    (tests/test_kernel_switch.py tests that path with backends of its own). Under xdist each
+    worker asks; the build's lock lets one build and the other import it."""
+    from backends.torch import kernels
+
+    kernels.native()

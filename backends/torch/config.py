@@ -12,13 +12,17 @@ its own). `kv_cache_gb` / `kv_cache_fraction`: the KV budget (kv_cache.py). `max
 the most sequences of one step, the scheduler's default (schedulers/defaults.py): the KV
 cache never holds more than that many full contexts, and the step buffers are sized for it.
 `prepack_weights`: on CPU, few-row matmuls go through prepacked weights (layers/linear.py).
-`attention_backend`: a name from attention/ (`auto` is `cpu_paged` where Carousel's CPU
-kernels run, else `sdpa`). `cpu_kernels`: Carousel's AVX-512 kernels (cpu_kernels/) where
-they build. `fuse_mlp`: with those kernels, a SiLU MLP's gate, up and activation as one
-kernel. `native_layers`: with those kernels, a decode-only step runs every layer in one
-native call (stacks/native.py); None runs it where it can, True also refuses a backend that
-never can (tensor parallelism), False keeps the Python loop (A/B runs). `compile`: the dense
-part of every layer through one torch.compile'd graph (stacks/compiled_layer.py).
+`attention_backend`: a name from attention/ (`auto` is `cpu_paged` where Carousel's CPU kernels
+run, else `sdpa`). `cpu_kernels`: Carousel's AVX-512 kernels (cpu_kernels/) where they build.
+`kernels_in_background`: where those kernels are not built yet, serve at once on torch's ops
+while they build at the lowest priority, then take them between two steps
+(runner/kernel_switch.py); False (the default of a backend built in code, so tests and scripts
+get the kernels before the first step) builds them first. `fuse_mlp`: with those kernels, a
+SiLU MLP's gate, up and activation as one kernel. `native_layers`: with those kernels, a
+decode-only step runs every layer in one native call (stacks/native.py); None runs it where it
+can, True also refuses a backend that never can (tensor parallelism), False keeps the Python
+loop (A/B runs). `compile`: the dense part of every layer through one torch.compile'd graph
+(stacks/compiled_layer.py).
 `enforce_eager`: on CUDA, no CUDA graphs (cuda_graphs.py; vLLM's flag): every step runs eager.
 `tensor_parallel_size`: split the model over this many ranks (parallel/).
 `quantization` (vLLM's spelling): `auto`, `gguf`, `int8`, `none`; weight-only quantised
@@ -61,6 +65,7 @@ class TorchBackendConfig:
     prepack_weights: bool = True
     attention_backend: str = AUTO
     cpu_kernels: bool = True
+    kernels_in_background: bool = False
     fuse_mlp: bool = True
     native_layers: bool | None = None
     compile: bool = False

@@ -32,10 +32,21 @@ def _package(device_type: str = "cpu") -> ModuleType | None:
         return None
 
 
-def native(device_type: str = "cpu") -> ModuleType | None:
-    """The compiled kernels for `device_type` (built on first use), or None where none run."""
+def native(device_type: str = "cpu", *, background: bool = False) -> ModuleType | None:
+    """The compiled kernels for `device_type` (built on first use), or None where none run.
+
+    `background`: a build this starts runs while the server serves on torch's ops, so it is
+    no load phase (`/health` stays ready; runner/kernel_switch.py)."""
     package = _package(device_type)
-    return None if package is None else package.native()  # type: ignore[no-any-return]
+    if package is None:
+        return None
+    return package.native(background=background)  # type: ignore[no-any-return]
+
+
+def is_built(device_type: str = "cpu") -> bool:
+    """Whether `native()` answers without compiling (built, or unable to run here at all)."""
+    package = _package(device_type)
+    return package is None or bool(package.is_built())
 
 
 def why_off(device_type: str = "cpu") -> str:

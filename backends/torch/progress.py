@@ -30,13 +30,20 @@ def reported_phase(
     *,
     every_s: float = PROGRESS_EVERY_S,
     progress: Callable[[], dict[str, Any]] | None = None,
+    background: bool = False,
     **fields: Any,
 ) -> Iterator[LoadPhase]:
     """Run the block as load phase `name`, logging `event` now, `<event>_progress` every
-    `every_s` seconds, and `<event>_done` at its end (the seconds it took)."""
-    log.info(event, phase=name, what=description, **fields)
+    `every_s` seconds, and `<event>_done` at its end (the seconds it took).
+
+    `background`: the work runs while the server serves (the CPU kernels' build behind a
+    backend on torch's ops): logged the same, but not a load phase, so `/health` stays 200.
+    """
+    where = {"background": True} if background else {}
+    log.info(event, phase=name, what=description, **where, **fields)
     stop = threading.Event()
-    with load_phase(name, description) as phase:
+    marked = _unmarked(name, description) if background else load_phase(name, description)
+    with marked as phase:
         beat = threading.Thread(
             target=_heartbeat,
             args=(stop, event, phase, every_s, progress),
@@ -50,6 +57,12 @@ def reported_phase(
             stop.set()
             beat.join()
     log.info(f"{event}_done", phase=name, seconds=round(phase.elapsed_s, 1))
+
+
+@contextmanager
+def _unmarked(name: str, description: str) -> Iterator[LoadPhase]:
+    """A phase timed and logged like a load phase, but not one `/health` reports."""
+    yield LoadPhase(name, description)
 
 
 def _heartbeat(

@@ -330,12 +330,12 @@ def output_error(runtime: EngineRuntime, output: RequestOutput) -> APIError | No
 def record_output(ctx: RequestContext, output: RequestOutput) -> None:
     """Account one output in the request's log line (first token time, finish reasons)."""
     if output.token_ids:
-        ctx.mark_token()
-        ctx.completion_tokens += len(output.token_ids)  # NOTE: so aborted requests count too
+        ctx.outcome.record_token(ctx.start)
+        ctx.outcome.add_completion_tokens(len(output.token_ids))
     if output.finished and output.finish_reason is not None:
-        ctx.finish_reasons.append(output.finish_reason)
-        if output.index == 0:  # NOTE: prompt_tokens counts each prompt once; so does this
-            ctx.cached_tokens += output.num_cached_tokens
+        # NOTE: prompt_tokens counts each prompt once; so do the cached tokens
+        cached = output.num_cached_tokens if output.index == 0 else 0
+        ctx.outcome.record_finish(output.finish_reason, cached)
 
 
 def accept_output(runtime: EngineRuntime, ctx: RequestContext, output: RequestOutput) -> None:

@@ -19,6 +19,8 @@ copy has no route: it runs as `anonymous` (keyed on `user`) at its body's own `p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pydantic import BaseModel
 
 from gateway.api.errors import APIError, invalid
@@ -36,19 +38,19 @@ def served_for(principal: str, user: str | None) -> str | None:
 
 def bound_request(
     ctx: RequestContext, request: BaseModel, principal: Principal, header: str | None
-) -> None:
-    """Set the request's deadline and priority in `ctx`, within `principal`'s caps (400
+) -> RequestContext:
+    """`ctx` with the request's deadline and priority, within `principal`'s caps (400
     naming the header or `priority` for a request that asks beyond them)."""
-    ctx.deadline_ms = deadline_ms(header)
+    deadline = deadline_ms(header)
     cap = principal.min_deadline_ms
-    if ctx.deadline_ms is not None and cap is not None and ctx.deadline_ms < cap:
+    if deadline is not None and cap is not None and deadline < cap:
         raise _beyond_cap(
             f"This API key may ask for a first-token deadline of at least {cap:g} ms; "
-            f"{DEADLINE_HEADER} is {ctx.deadline_ms:g}.",
+            f"{DEADLINE_HEADER} is {deadline:g}.",
             DEADLINE_HEADER,
         )
-    ctx.min_deadline_ms = cap
-    ctx.priority = bounded_priority(requested_priority(request), principal.min_priority)
+    priority = bounded_priority(requested_priority(request), principal.min_priority)
+    return replace(ctx, deadline_ms=deadline, min_deadline_ms=cap, priority=priority)
 
 
 def deadline_ms(value: str | None) -> float | None:

@@ -60,12 +60,12 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         log_ignored_fields(request, ctx)
         self.check(request)
         check_stream_options(request)
-        ctx.scheduler = runtime.scheduler
+        ctx.outcome.assign_scheduler(runtime.scheduler)
         req: LocalRequest[RequestT] = LocalRequest(request, ctx)
         req.plan = await self.plan(req)
         pending = start_compile(runtime.grammar_compiler, req.plan, ctx.principal)
         req.prompts = prompts = await self.prompts(req)
-        ctx.prompt_tokens = sum(len(p) for p in prompts)
+        ctx.outcome.record_prompt_tokens(sum(len(p) for p in prompts))
         requested, requested_param = self.requested_max_tokens(request)
         longest = max(len(p) for p in prompts)
         max_tokens = context_budget(requested, requested_param, longest, runtime, self.prompt_param)
@@ -81,7 +81,7 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
         )
         priority = scheduled_priority(ctx, request)
         stream = open_stream(runtime, ctx, prompts, params, self.prompt_param, priority)
-        ctx.accept()
+        ctx.outcome.accept()
         if request.stream:
             return PayloadStream(self.chunks(req, stream), stream.close)
         results = await collect(runtime, stream, ctx, len(prompts) * params.n)
@@ -99,7 +99,8 @@ class LocalEndpoint(abc.ABC, Generic[RequestT]):
 
     @abc.abstractmethod
     async def prompts(self, req: LocalRequest[RequestT]) -> list[list[int]]:
-        """The prompts as token ids (also setting `req.ctx.prompt_text` for the log)."""
+        """The prompts as token ids (also recording the rendered prompt in
+        `req.ctx.outcome` for the log)."""
 
     @abc.abstractmethod
     def requested_max_tokens(self, request: RequestT) -> tuple[int | None, str]:

@@ -11,6 +11,7 @@ from gateway.api.endpoint import Endpoint, Reply
 from gateway.context import RequestContext
 from gateway.obs.metrics import ArmGauges, ArmInfo, GatewayMetrics
 from gateway.services import RequestServices
+from schedulers.load_phase import KERNELS_BUILDING
 
 
 class Arm(abc.ABC):
@@ -74,6 +75,19 @@ class Arm(abc.ABC):
     def gauges(self, model: str) -> ArmGauges | None:
         """Engine occupancy for /metrics (None for arms without a local engine)."""
         return None
+
+    @property
+    def serving_kernels(self) -> str | None:
+        """Which ops serve a local engine's CPU forward (schedulers/load_phase.py's
+        `KERNELS_*`); None where that does not apply (an upstream, the sim, CUDA)."""
+        return None
+
+    @property
+    def measurement_ready(self) -> bool:
+        """Whether a measurement of this arm may count now: not while its CPU kernels build
+        in the background, since it would then span two paths (torch's ops, then the
+        kernels'). A rollout holds its decision meanwhile."""
+        return self.serving_kernels != KERNELS_BUILDING
 
     @abc.abstractmethod
     def info(self, model: str) -> ArmInfo:

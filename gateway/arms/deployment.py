@@ -69,7 +69,7 @@ class Deployment:
             self._check_available(arm, retry_after_s)
         else:
             arm = self._draw(ctx, retry_after_s, user)
-        ctx.arm = arm.name
+        ctx.outcome.assign_arm(arm.name)
         return arm
 
     def _draw(self, ctx: RequestContext, retry_after_s: int, user: str | None) -> Arm:
@@ -77,7 +77,7 @@ class Deployment:
         serve, else by a draw with the same point among the arms that can."""
         point = draw_point(user if self.assignment == "user" else None)
         drawn = choose_by_weight(self.primaries, point)
-        ctx.arm_drawn = None if drawn is None else drawn.name
+        ctx.outcome.record_draw(None if drawn is None else drawn.name)
         if drawn is not None and drawn.unavailable_reason is None:
             return drawn
         ready = [a for a in self.primaries if a.unavailable_reason is None]
@@ -169,6 +169,15 @@ class Deployments:
             if reason is not None:
                 return f"{deployment.name}/{arm.name}: {reason}", arm.is_loading
         return None
+
+    def serving_kernels(self) -> dict[str, str]:
+        """Which ops serve each local arm's CPU forward, by `model/arm` (`/health`); arms
+        where that does not apply are left out."""
+        return {
+            f"{d.name}/{a.name}": kernels
+            for d, a in self.arms()
+            if (kernels := a.serving_kernels) is not None
+        }
 
     def gauges(self) -> list[ArmGauges]:
         return [g for d, a in self.arms() if (g := a.gauges(d.name)) is not None]

@@ -57,6 +57,7 @@ def torch_backend_config(settings: Settings) -> Any:
         prepack_weights=settings.prepack_weights,
         attention_backend=settings.attention_backend,
         cpu_kernels=settings.cpu_kernels,
+        kernels_in_background=settings.kernels_in_background,
         compile=settings.compile,
         enforce_eager=settings.enforce_eager,
         tensor_parallel_size=settings.tensor_parallel_size,

@@ -159,6 +159,10 @@ class LocalArm(Arm):
             "iterations": [dataclasses.asdict(r) for r in list(engine.trace)],
         }
 
+    @property
+    def serving_kernels(self) -> str | None:
+        return None if self._runtime is None else self._runtime.engine.backend.serving_kernels
+
     def info(self, model: str) -> ArmInfo:
         return ArmInfo(model, self.name, self.kind, local_device_group())
 
@@ -176,4 +180,5 @@ class LocalArm(Arm):
             bm.num_cached_blocks / bm.num_blocks,
             engine.backend.weight_bytes,
             KVCapacity.of(engine.backend.kv_cache_spec, engine.max_model_len),
+            engine.backend.serving_kernels,
         )

@@ -125,9 +125,9 @@ class ShadowMirror:
             copy.model,
             connected,
             stream=bool(copy.body.get("stream")),
-            arm=self.arm.name,
+            raw_body=copy.body,
         )
-        ctx.raw_body = copy.body
+        ctx.outcome.assign_arm(self.arm.name)
         services = RequestServices(metrics=self._metrics)
         try:
             request = endpoint.request_model.model_validate(copy.body)

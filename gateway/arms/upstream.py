@@ -75,7 +75,7 @@ class UpstreamArm(Arm):
     async def serve(
         self, endpoint: Endpoint, request: BaseModel, ctx: RequestContext, services: RequestServices
     ) -> Reply:
-        ctx.scheduler = f"upstream:{self.config.model}"
+        ctx.outcome.assign_scheduler(f"upstream:{self.config.model}")
         path = endpoint.upstream_path
         headers = {"X-Request-Id": ctx.request_id}
         body = dict(ctx.raw_body)
@@ -84,7 +84,7 @@ class UpstreamArm(Arm):
                 _, reply = await self.client.complete(path, body, headers)
             except UpstreamError as exc:
                 raise api_error(exc) from None
-            ctx.accept()
+            ctx.outcome.accept()
             _account(ctx, reply)
             await _remember(ctx, services, body, reply)
             _relabel(reply, ctx.model)
@@ -102,7 +102,7 @@ class UpstreamArm(Arm):
             raise api_error(exc) from None
         except StopAsyncIteration:
             first = b"data: [DONE]\n\n"
-        ctx.accept()
+        ctx.outcome.accept()
         payloads = _payloads(first, frames, ctx, services, wants_usage)
         return PayloadStream(payloads, on_close=lambda: None)
 
@@ -199,17 +199,16 @@ def _read_usage(ctx: RequestContext, body: dict[str, Any]) -> None:
         return
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
-    ctx.prompt_tokens = int(prompt or 0)
-    ctx.completion_tokens = int(completion or 0)
+    ctx.outcome.record_usage(int(prompt or 0), int(completion or 0))
 
 
 def _account(ctx: RequestContext, reply: dict[str, Any]) -> None:
     _read_usage(ctx, reply)
     for choice in reply.get("choices") or []:
         if choice.get("finish_reason"):
-            ctx.finish_reasons.append(str(choice["finish_reason"]))
+            ctx.outcome.record_finish(str(choice["finish_reason"]))
     if reply.get("object") == "response" and reply.get("status"):
-        ctx.finish_reasons.append(str(reply["status"]))
+        ctx.outcome.record_finish(str(reply["status"]))
 
 
 def _account_chunk(ctx: RequestContext, chunk: dict[str, Any]) -> None:
@@ -217,11 +216,11 @@ def _account_chunk(ctx: RequestContext, chunk: dict[str, Any]) -> None:
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
         if delta.get("content") or delta.get("tool_calls") or choice.get("text"):
-            ctx.mark_token()
+            ctx.outcome.record_token(ctx.start)
         if choice.get("finish_reason"):
-            ctx.finish_reasons.append(str(choice["finish_reason"]))
+            ctx.outcome.record_finish(str(choice["finish_reason"]))
     kind = chunk.get("type")
     if isinstance(kind, str) and kind.endswith(".delta") and chunk.get("delta"):
-        ctx.mark_token()  # a Responses API text or arguments delta
+        ctx.outcome.record_token(ctx.start)  # a Responses API text or arguments delta
     if kind == "response.completed" and isinstance(chunk.get("response"), dict):
-        ctx.finish_reasons.append(str(chunk["response"].get("status", "completed")))
+        ctx.outcome.record_finish(str(chunk["response"].get("status", "completed")))

@@ -3,12 +3,13 @@
 One route per endpoint of the table (gateway/api/table.py), all served by `_serve`: it
 turns the body into the endpoint's request model, asks the arm, and frames the answer as
 JSON or SSE in the endpoint's stream format. Every request ends in exactly one access log
-line (`RequestContext.finish`).
+line (`RequestServices.finish`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -33,7 +34,11 @@ from gateway.http.sse import SSEResponse
 from gateway.http.stored_responses import stored_responses
 from gateway.obs.metrics import CONTENT_TYPE
 from gateway.state import GatewayState
-from schedulers.load_phase import current_load_phase
+from schedulers.load_phase import (
+    BUILDING_KERNELS_IN_BACKGROUND,
+    KERNELS_BUILDING,
+    current_load_phase,
+)
 
 router = APIRouter()
 v1 = APIRouter(prefix="/v1")
@@ -85,9 +90,9 @@ async def _serve(request: Request, path: str) -> Response:
         body = await read_json(request)
         parsed = parse(endpoint.request_model, body)
         # NOTE: cut: the access log line, metrics and errors show it (a 1 MB model, logged)
-        ctx.model, ctx.stream, ctx.raw_body = shown(parsed.model), bool(parsed.stream), body
-        ctx.user = parsed.user
-        bound_request(ctx, parsed, principal, request.headers.get(DEADLINE_HEADER))
+        model, stream = shown(parsed.model), bool(parsed.stream)
+        ctx = replace(ctx, model=model, stream=stream, raw_body=body, user=parsed.user)
+        ctx = bound_request(ctx, parsed, principal, request.headers.get(DEADLINE_HEADER))
         deployment = state.deployments.get(parsed.model)
         continued = await _owner_arm(state, deployment, parsed, principal.name)
         pinned = request.headers.get(ARM_HEADER)
@@ -95,9 +100,9 @@ async def _serve(request: Request, path: str) -> Response:
             ctx, state.settings.retry_after_s, pinned or continued, parsed.user, principal, pinned
         )
         if deployment.mirrors and not arm.shadow:
-            ctx.on_accepted = lambda: deployment.mirror(endpoint, body, ctx)
+            ctx.outcome.call_when_accepted(lambda: deployment.mirror(endpoint, body, ctx))
         reply = await arm.serve(endpoint, parsed, ctx, services)
-        ctx.accept()
+        ctx.outcome.accept()
     except APIError as exc:
         services.finish(ctx, exc.status_code, exc.message)
         if ctx.arm is not None:
@@ -173,7 +178,8 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     return _card(_state(request), model_id).model_dump()
 
 
-#: the load phase of a loading server's `/health` 503 (schedulers/load_phase.py's names)
+#: the load phase of a loading server's `/health` 503 (schedulers/load_phase.py's names); on a
+#: ready server's 200, `building_kernels_in_background` while an arm's CPU kernels build
 LOAD_PHASE_HEADER = "X-Carousel-Load-Phase"
 
 
@@ -182,7 +188,7 @@ async def health(request: Request) -> Response:
     state = _state(request)
     problem = state.deployments.unavailable_reason()
     if problem is None:
-        return JSONResponse({"status": "ok"})
+        return _ready(state.deployments.serving_kernels())
     reason, loading = problem
     body = error_body(
         f"Not ready: {reason}", "server_error", None, "model_loading" if loading else "engine_dead"
@@ -192,6 +198,16 @@ async def health(request: Request) -> Response:
     if phase is not None:  # NOTE: the message says it in words; the body stays OpenAI's shape
         headers[LOAD_PHASE_HEADER] = phase.name
     return JSONResponse(body, status_code=503, headers=headers)
+
+
+def _ready(kernels: dict[str, str]) -> Response:
+    """A ready server's `/health`: which ops serve each local arm's CPU forward (`kernels`,
+    by `model/arm`: `torch`, `building`, `carousel`), and the header while any still builds."""
+    if not kernels:
+        return JSONResponse({"status": "ok"})
+    building = KERNELS_BUILDING in kernels.values()
+    headers = {LOAD_PHASE_HEADER: BUILDING_KERNELS_IN_BACKGROUND} if building else None
+    return JSONResponse({"status": "ok", "kernels": kernels}, headers=headers)
 
 
 @router.get("/metrics")

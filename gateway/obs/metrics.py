@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.obs.kv_capacity import KVCapacity
+from schedulers.load_phase import KERNELS_BUILDING, KERNELS_CAROUSEL
 
 if TYPE_CHECKING:
     from schedulers.engine import Engine
@@ -62,6 +63,8 @@ class ArmGauges:
     weight_bytes: dict[str, int] = field(default_factory=dict)
     #: what the engine's KV cache holds (gateway/obs/kv_capacity.py)
     kv_capacity: KVCapacity | None = None
+    #: which ops serve its CPU forward (`torch`, `building`, `carousel`); None: not a CPU one
+    serving_kernels: str | None = None
 
 
 class _ArmCollector(Collector):
@@ -91,6 +94,7 @@ class _ArmCollector(Collector):
             labels=["model", "arm", "format"],
         )
         capacity = _KVCapacityFamilies()
+        kernels = _KernelFamilies()
         for gauges in self._read():
             for attr, family in families.items():
                 family.add_metric([gauges.model, gauges.arm], float(getattr(gauges, attr)))
@@ -98,9 +102,36 @@ class _ArmCollector(Collector):
                 weights.add_metric([gauges.model, gauges.arm, fmt], float(nbytes))
             if gauges.kv_capacity is not None:
                 capacity.add(gauges.model, gauges.arm, gauges.kv_capacity)
+            if gauges.serving_kernels is not None:
+                kernels.add(gauges.model, gauges.arm, gauges.serving_kernels)
         yield from families.values()
         yield weights
         yield from capacity.families()
+        yield from kernels.families()
+
+
+class _KernelFamilies:
+    """Which ops serve each local arm's CPU forward: Carousel's kernels (1) or torch's (0),
+    and whether the kernels are still building in the background (runner/kernel_switch.py)."""
+
+    def __init__(self) -> None:
+        self.serving = GaugeMetricFamily(
+            "carousel_cpu_kernels_serving",
+            "1 where Carousel's CPU kernels serve the arm's forward, 0 where torch's ops do",
+            labels=["model", "arm"],
+        )
+        self.building = GaugeMetricFamily(
+            "carousel_cpu_kernels_building",
+            "1 while the arm serves on torch's ops and its CPU kernels build in the background",
+            labels=["model", "arm"],
+        )
+
+    def add(self, model: str, arm: str, kernels: str) -> None:
+        self.serving.add_metric([model, arm], float(kernels == KERNELS_CAROUSEL))
+        self.building.add_metric([model, arm], float(kernels == KERNELS_BUILDING))
+
+    def families(self) -> list[Metric]:
+        return [self.serving, self.building]
 
 
 class _KVCapacityFamilies:

@@ -148,8 +148,14 @@ class RolloutController:
         lease_s: float = LEASE_S,
         topology: RolloutTopology | None = None,
         notes: list[str] | None = None,
+        measurement_ready: Callable[[str], bool] = lambda arm: True,
     ) -> None:
         self.model = model
+        #: whether an arm's samples may count now (`Arm.measurement_ready`: not while its CPU
+        #: kernels build in the background, its samples then spanning two paths)
+        self.measurement_ready = measurement_ready
+        #: randomised samples not counted because a compared arm was not ready, per arm
+        self.held_samples: dict[str, int] = {}
         self.spec: RolloutSpec = build_spec(settings)
         #: the arms and their engines (default: one engine an arm)
         self.topology = topology or RolloutTopology.of(settings, {})
@@ -230,6 +236,11 @@ class RolloutController:
         if not randomised:
             self.pending.apart[arm] = self.pending.apart.get(arm, 0) + 1
             return None
+        if self.unready_arms():  # NOTE: the failing-arm rule still sees the candidate's
+            self.held_samples[arm] = self.held_samples.get(arm, 0) + 1
+            if role == "candidate":
+                self._recent["candidate"].append(failed)
+            return self._rollback_failing() if self._failing() else None
         if self.settings.assignment == "request":
             unit = None
         self.pending.merge(self.observer.observe(role, sample, unit))
@@ -239,6 +250,26 @@ class RolloutController:
         if self._failing():
             return self._rollback_failing()
         return self.sync() if self._unsynced >= self.sync_every else None
+
+    def unready_arms(self) -> list[str]:
+        """The compared arms (candidate, reference) whose measurements may not count now: the
+        rollout holds (counts no sample of either) until none is left."""
+        compared = (self.settings.candidate, self.topology.reference)
+        return [arm for arm in compared if not self.measurement_ready(arm)]
+
+    def _held_notes(self) -> list[str]:
+        """Why samples are not counted (the status says it, never silently)."""
+        unready = self.unready_arms()
+        held = sum(self.held_samples.values())
+        if not unready and not held:
+            return []
+        now = (
+            f"holding: the CPU kernels of {', '.join(unready)} are building (torch's ops serve "
+            "meanwhile), so no sample counts until they serve; "
+            if unready
+            else ""
+        )
+        return [f"{now}{held} randomised samples not counted while an arm's kernels built"]
 
     def _failing(self) -> bool:
         """The candidate's last `FAILING_AFTER` requests all failed while the other rollout
@@ -409,7 +440,8 @@ class RolloutController:
             "e_values": {t.name: _e_value(tally.log_e(t.name)) for t in self.spec.tests},
             "samples": {t.name: tally.n.get(t.name, 0) for t in self.spec.tests},
             "carried": {k: _e_value(v) for k, v in self.state.carried.items()},
-            "notes": self.notes + self._empty_tests(tally),
+            "measurement_held": {"arms": self.unready_arms(), "samples": dict(self.held_samples)},
+            "notes": self.notes + self._held_notes() + self._empty_tests(tally),
             "decisions": self.state.decisions,
         }
 

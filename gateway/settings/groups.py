@@ -92,6 +92,12 @@ class ModelSettings(BaseModel):
         description="CPU: Carousel's AVX-512 decode kernels (matmuls, attention) where they build",
         json_schema_extra=torch_only(),
     )
+    kernels_in_background: bool = Field(
+        True,
+        description="CPU, kernels not built yet: serve at once on torch's ops while they build "
+        "at the lowest priority, then switch between two steps (false: build them first)",
+        json_schema_extra=torch_only(),
+    )
     compile: bool = Field(
         False, description="torch.compile the dense part of each layer at start-up (C++ compiler)",
         json_schema_extra=torch_only(),

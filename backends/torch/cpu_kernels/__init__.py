@@ -188,18 +188,34 @@ def why_off() -> str:
     return unavailable_reason() or "their build failed (see the log)"
 
 
-def native() -> ModuleType | None:
-    """The compiled kernels' module (built on the first call), or None where they can't run."""
+def native(*, background: bool = False) -> ModuleType | None:
+    """The compiled kernels' module (built on the first call), or None where they can't run.
+
+    `background`: a build this call starts runs while the server serves on torch's ops
+    (runner/kernel_switch.py): logged, but not a load phase, so `/health` stays ready.
+    """
     global _loaded
     if _loaded is not None:
         return _loaded[0]
     with _lock:
         if _loaded is None:
-            _loaded = (_build(),)
+            _loaded = (_build(background=background),)
     return _loaded[0]
 
 
-def _build() -> ModuleType | None:
+def is_built() -> bool:
+    """Whether `native()` would answer without compiling: loaded already, or built on disk
+    (the cache dir's or the image's prebuilt module), or unable to run here at all (None at
+    once). Compiles nothing, imports nothing: a backend asks it to decide whether to serve on
+    torch's ops while the kernels build in the background."""
+    if _loaded is not None or unavailable_reason() is not None:
+        return True
+    digest = _digest()
+    built = cache_dir() / "cpu_kernels" / digest / f"{MODULE}.so"
+    return _prebuilt(digest) is not None or built.is_file()
+
+
+def _build(*, background: bool = False) -> ModuleType | None:
     reason = unavailable_reason()
     if reason is not None:
         log.info("cpu_kernels_off", reason=reason)
@@ -209,7 +225,8 @@ def _build() -> ModuleType | None:
         if prebuilt is not None:
             module = _import(prebuilt, MODULE)
         else:
-            module = _built(cache_dir() / "cpu_kernels" / _digest(), CSRC, MODULE)
+            build_dir = cache_dir() / "cpu_kernels" / _digest()
+            module = _built(build_dir, CSRC, MODULE, background=background)
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to torch's kernels
         log.warning("cpu_kernels_build_failed", error=str(exc)[-2000:])
         return None
@@ -310,15 +327,15 @@ def build_variant(csrc: Path, name: str) -> ModuleType:
     return _built(cache_dir() / "cpu_kernels" / f"{name}-{_digest(csrc)}", csrc, name)
 
 
-def _built(build_dir: Path, csrc: Path, name: str) -> ModuleType:
+def _built(build_dir: Path, csrc: Path, name: str, *, background: bool = False) -> ModuleType:
     """Module `name` from `build_dir`: imported where an earlier process built it, else built
-    from `csrc` there, one process at a time."""
+    from `csrc` there, one process at a time (`background`: see `native`)."""
     build_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: an flock, not torch's own lock file: the OS releases it when its holder dies, so a
     # build killed half-way (a server stopped while starting) never leaves every later process
     # waiting on its lock file forever
     with (build_dir / "carousel.lock").open("w") as lock:
-        _wait_for_lock(lock, build_dir)
+        _wait_for_lock(lock, build_dir, background=background)
         built = build_dir / f"{name}.so"
         if built.exists():
             return _import(built, name)
@@ -328,13 +345,15 @@ def _built(build_dir: Path, csrc: Path, name: str) -> ModuleType:
             "building the CPU kernels, once (2-3 min on 2 cores)",
             "cpu_kernels_building",
             progress=lambda: {"objects_built": f"{_objects_built(build_dir)}/{len(SOURCES)}"},
+            background=background,
             build_dir=str(build_dir),
         ):
             return _compile(build_dir, csrc, name)
 
 
-def _wait_for_lock(lock: IO[str], build_dir: Path) -> None:
-    """Take the build lock, saying so (as a load phase) while another process builds."""
+def _wait_for_lock(lock: IO[str], build_dir: Path, *, background: bool = False) -> None:
+    """Take the build lock, saying so (as a load phase, unless `background`) while another
+    process builds."""
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return
@@ -344,6 +363,7 @@ def _wait_for_lock(lock: IO[str], build_dir: Path) -> None:
         WAITING_FOR_KERNELS,
         "waiting for another process's build of the CPU kernels",
         "cpu_kernels_waiting",
+        background=background,
         build_dir=str(build_dir),
     ):
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -11,7 +11,9 @@ or from an already-built HF causal LM (Llama/Mistral/Qwen2/Qwen3) and its tokeni
 Every setting is a field of `TorchBackendConfig` (config.py, which says what each does);
 keyword arguments are fields of a config built on the spot. The model is moved and cast in
 place. KV sizing: see kv_cache.py.
-Compiled kernels are built here, at construction (logged), never on a request's path.
+Compiled kernels are built here, at construction (logged), never on a request's path; or,
+with `kernels_in_background` where they are not built yet, in the background while torch's ops
+serve, swapped in between two steps (kernel_switch.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from backends.torch.config import TorchBackendConfig
+from backends.torch import kernels
+from backends.torch.attention import backend_class
+from backends.torch.config import AUTO, TorchBackendConfig
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.linears import Placement
 from backends.torch.loader import (
@@ -35,12 +39,13 @@ from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.runner.cuda_graphs import Capturer, DecodeGraphs, cuda_capturer
 from backends.torch.runner.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.runner.inputs import ModelInput
+from backends.torch.runner.kernel_switch import KernelSwitch, serves_kernels
 from backends.torch.runner.staging import InputStager, StagedInput
 from backends.torch.sample.sampler import Sampler
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import blocks_for
-from schedulers.load_phase import WARMING_UP, load_phase
+from schedulers.load_phase import KERNELS_CAROUSEL, KERNELS_TORCH, WARMING_UP, load_phase
 
 
 def with_fields(
@@ -145,11 +150,15 @@ class TorchBackend(Backend):
         budget = kv_budget_bytes(self.device, config.kv_cache_gb, config.kv_cache_fraction)
         num_blocks = self._num_kv_blocks(kv_layout, budget, config.max_num_seqs)  # TP: agreed
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
-        self.model = PagedCausalLM(model, self.kv_cache, config, placement=self._placement())
+        later = self._kernels_later(config)
+        # NOTE: nothing built over torch's ops may ask for the kernels: it would wait for the
+        # build's lock (pack plan, attention `auto`, norms and sampler all take `cpu_kernels`)
+        served = dataclasses.replace(config, cpu_kernels=False) if later else config
+        self.model = PagedCausalLM(model, self.kv_cache, served, placement=self._placement())
         self.model.attention.warm_up()
         self.sampler = Sampler(
             self._vocab_size(hf_config), self.device, config.max_num_seqs,
-            cpu_kernels=config.cpu_kernels,
+            cpu_kernels=served.cpu_kernels,
         )  # fmt: skip
         capture = self._graph_capturer()
         self.stager = InputStager(
@@ -163,6 +172,42 @@ class TorchBackend(Backend):
                 self.stager, self._forward, self.sampler.vocab_size, config.max_num_seqs, capture
             )
             run_on_device_thread(self.graphs.capture_all)
+        self.kernel_switch: KernelSwitch | None = None
+        if later:
+            self.kernel_switch = self._switch_to_kernels(model, config)
+            self.kernel_switch.start()
+
+    def _kernels_later(self, config: TorchBackendConfig) -> bool:
+        """Whether to serve on torch's ops now and take the CPU kernels once they are built in
+        the background: asked for, on the CPU, one rank, no `compile` or `batch_invariant`
+        (they need the kernels from the first step), an attention backend that runs without
+        them, and kernels not built yet that can be (else `native()` answers at once)."""
+        if not (config.kernels_in_background and config.cpu_kernels):
+            return False
+        if self.device.type != "cpu" or config.tensor_parallel_size > 1:
+            return False
+        if config.compile or config.batch_invariant:
+            return False
+        name = config.attention_backend
+        if name != AUTO and backend_class(name).native_decodes:
+            return False
+        return not kernels.is_built()
+
+    def _switch_to_kernels(
+        self, hf_model: PreTrainedModel, config: TorchBackendConfig
+    ) -> KernelSwitch:
+        """The background build of the kernels and of their model over this backend's HF model
+        and KV cache (kernel_switch.py); the sampler stays as built."""
+
+        def build_model() -> PagedCausalLM:
+            built = PagedCausalLM(hf_model, self.kv_cache, config, placement=self._placement())
+            built.attention.warm_up()
+            return built
+
+        def install(built: PagedCausalLM) -> None:
+            self.model = built
+
+        return KernelSwitch(build_model, install)
 
     @classmethod
     def create(cls, model: PreTrainedModel, tokenizer: Any, **kwargs: Any) -> TorchBackend:
@@ -230,6 +275,16 @@ class TorchBackend(Backend):
         return dict(self.model.quantization.weight_bytes)
 
     @property
+    def serving_kernels(self) -> str | None:
+        """Which ops serve: `carousel` (its CPU kernels), `building` (torch's while they build
+        in the background) or `torch`; None off the CPU, where they do not apply."""
+        if self.kernel_switch is not None:
+            return self.kernel_switch.state
+        if self.device.type != "cpu":
+            return None
+        return KERNELS_CAROUSEL if serves_kernels(self.model) else KERNELS_TORCH
+
+    @property
     def kv_cache_spec(self) -> KVCacheSpec:
         cache = self.kv_cache
         return KVCacheSpec(cache.num_blocks, cache.block_size, cache.layout.bytes_per_block)
@@ -289,6 +344,8 @@ class TorchBackend(Backend):
         self.stager.release(seq_id)
 
     def close(self) -> None:
+        if self.kernel_switch is not None:
+            self.kernel_switch.close()
         self.model.close()  # its native stack holds every layer's K/V tensors too
         self.kv_cache.k.clear()
         self.kv_cache.v.clear()

@@ -13,16 +13,15 @@ from gateway.api.chunk_template import TextChunks
 from gateway.api.errors import invalid, unsupported
 from gateway.api.local_request import LocalRequest
 from gateway.api.logprobs import chat_logprobs
-from gateway.api.outputs.plan import OutputPlan, chat_plan, has_schemas, off_loop, problem_error
+from gateway.api.outputs.plan import OutputPlan, chat_plan, has_schemas, off_loop
 from gateway.api.outputs.tool_parser import (
     StreamEvent,
     ToolCallStreamParser,
     chat_finish_reason,
     parse_tool_calls,
 )
-from gateway.api.outputs.tools import render_conversation
 from gateway.api.pipeline import ChoiceResult, EngineRuntime, accept_output, encode
-from gateway.api.problems import ParamProblem
+from gateway.api.prompts import chat_prompt
 from gateway.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -114,39 +113,6 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt(
-    runtime: EngineRuntime, messages: list[dict[str, Any]], plan: OutputPlan, param: str
-) -> str:
-    """The prompt text of a conversation with the plan's tools (tool_calls.py renders the
-    tools and the call history for templates that ignore them)."""
-    rendered = render_conversation(
-        messages, plan.shown_tools, renders_tools=runtime.renders_tools, param=param
-    )
-    if isinstance(rendered, ParamProblem):
-        raise problem_error(rendered)
-    return render_prompt(runtime.tokenizer, rendered.messages, rendered.tools)
-
-
-def render_prompt(
-    tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise invalid(
-            "This model has no chat template, so it cannot serve chat completions; "
-            "use /v1/completions.",
-            "messages",
-        )
-    try:
-        text = tokenizer.apply_chat_template(
-            turns, tools=tools, tokenize=False, add_generation_prompt=True
-        )
-    except Exception as exc:  # jinja TemplateError, ValueError: the template refused them
-        raise invalid(
-            f"The chat template cannot render these messages: {exc}", "messages"
-        ) from None
-    return str(text)
-
-
 class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
     """POST /v1/chat/completions on a local engine."""
 
@@ -162,7 +128,7 @@ class ChatEndpoint(LocalEndpoint[ChatCompletionRequest]):
     async def prompts(self, req: LocalRequest[ChatCompletionRequest]) -> list[list[int]]:
         messages = conversation(req.request.messages)
         prompt = chat_prompt(self.runtime, messages, req.plan, "messages")
-        req.ctx.prompt_text = prompt
+        req.ctx.outcome.record_prompt(prompt)
         return [await encode(self.runtime.tokenizer, prompt)]
 
     def requested_max_tokens(self, request: ChatCompletionRequest) -> tuple[int | None, str]:

@@ -75,7 +75,7 @@ class CompletionEndpoint(LocalEndpoint[CompletionRequest]):
 
     async def prompts(self, req: LocalRequest[CompletionRequest]) -> list[list[int]]:
         if isinstance(req.request.prompt, str):
-            req.ctx.prompt_text = req.request.prompt
+            req.ctx.outcome.record_prompt(req.request.prompt)
         return await tokenize_prompts(self.runtime, req.request)
 
     def requested_max_tokens(self, request: CompletionRequest) -> tuple[int | None, str]:

@@ -17,13 +17,13 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from gateway.api.chat.serving import chat_prompt
 from gateway.api.errors import APIError
 from gateway.api.local_request import LocalRequest
 from gateway.api.outputs.plan import OutputPlan, off_loop, problem_error, tools_plan
 from gateway.api.outputs.tool_parser import StreamEvent, ToolCallStreamParser
 from gateway.api.pipeline import ChoiceResult, EngineRuntime, accept_output, encode
 from gateway.api.problems import ParamProblem
+from gateway.api.prompts import chat_prompt
 from gateway.api.responses.convert import conversation_after, response_skeleton, to_chat
 from gateway.api.responses.events import ResponseBuilder
 from gateway.api.responses.protocol import (
@@ -88,7 +88,7 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
     async def prompts(self, req: LocalRequest[ResponsesRequest]) -> list[list[int]]:
         assert req.plan.messages is not None
         prompt = chat_prompt(self.runtime, req.plan.messages, req.plan, "input")
-        req.ctx.prompt_text = prompt
+        req.ctx.outcome.record_prompt(prompt)
         return [await encode(self.runtime.tokenizer, prompt)]
 
     def requested_max_tokens(self, request: ResponsesRequest) -> tuple[int | None, str]:

@@ -28,10 +28,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.api.problems import ParamProblem
-from gateway.context import RequestContext
 from gateway.settings.principals import ANONYMOUS_NAME
 
 DEFAULT_MAX_RESPONSES = 1024
@@ -247,7 +246,18 @@ async def previous_conversation(
     return entry.conversation
 
 
-async def remember_creator(store: ResponseStore, ctx: RequestContext, response_id: str) -> None:
+class ResponseCreator(Protocol):
+    """The request that created a response, as the store notes it (a `RequestContext` is
+    one; the store needs no more of a request than this)."""
+
+    model: str
+    principal: str
+
+    @property
+    def arm(self) -> str | None: ...
+
+
+async def remember_creator(store: ResponseStore, ctx: ResponseCreator, response_id: str) -> None:
     """Note that `ctx`'s arm created `response_id` for `ctx`'s principal: GET, DELETE and
     `previous_response_id` are routed to it, for that principal only (nothing without an arm)."""
     if ctx.arm is not None:
