@@ -64,7 +64,7 @@ torch::Tensor argmax(const torch::Tensor& x);
 // The decoder layers of a model whose steps are decodes only (one token per sequence), run
 // in one call (decode_layers.cpp): per layer rms_norm, linear (QKV), rotary_write_kv,
 // decode_attention, linear (O), add_rms_norm, linear_silu_mul, linear (down), add_rms_norm,
-// as model.py's `_fused_layers` calls them. Weights are packed as `linear` takes them.
+// as stacks/eager.py's `EagerStack` calls them. Weights are packed as `linear` takes them.
 class DecodeStack {
  public:
   void add_layer(const torch::Tensor& input_norm, double input_eps, const torch::Tensor& qkv,
