@@ -52,19 +52,31 @@ def set_threads(threads: int) -> None:
         sys.modules["torch"].set_num_threads(threads)
 
 
+#: this process's part: "worker" (an xdist worker of this run), "controller" (it made the
+#: lock folder), or None. NOTE: a pytest a test starts in a subprocess inherits the workers'
+#: environment (PYTEST_XDIST_WORKER, the lock folder) but is neither, so it must neither take
+#: the workers' locks nor remove their folder
+_role: str | None = None
+
+
 def configure(config: pytest.Config) -> None:
     """The controller makes the lock folder its workers share; a worker takes its share of
     the cores."""
+    global _role
     if is_worker(config):
+        _role = "worker"
         set_threads(max(1, cores() // worker_count()))
     elif config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
+        _role = "controller"
         os.environ[LOCK_DIR_ENV] = tempfile.mkdtemp(prefix="carousel-tests-")
 
 
 def unconfigure(config: pytest.Config) -> None:
     """The controller removes the lock folder once its workers have gone."""
-    if not is_worker(config) and LOCK_DIR_ENV in os.environ:
+    global _role
+    if _role == "controller" and LOCK_DIR_ENV in os.environ:
         shutil.rmtree(os.environ.pop(LOCK_DIR_ENV), ignore_errors=True)
+    _role = None
 
 
 def mark_timed_tests_serial(items: list[pytest.Item]) -> None:
@@ -115,7 +127,7 @@ def machine_lock() -> MachineLock | None:
     """This worker's handle on the controller's lock (None outside xdist)."""
     global _lock
     folder = os.environ.get(LOCK_DIR_ENV)
-    if _lock is None and folder and "PYTEST_XDIST_WORKER" in os.environ:
+    if _lock is None and folder and _role == "worker":
         _lock = MachineLock(Path(folder))
     return _lock
 
