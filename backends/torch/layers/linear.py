@@ -291,8 +291,3 @@ def cached_gate_up(owner: Any, gate: torch.Tensor, up: torch.Tensor, plan: PackP
     elif fused.plan != plan:  # only its row window differs (every GateUp plan is native)
         return fused.with_plan(plan)
     return fused
-
-
-def forget_gate_up(owner: Any) -> None:
-    """Drop `owner`'s cached `GateUp` (its packed copy is freed once no arm holds it)."""
-    owner.__dict__.get(_CACHE_ATTR, {}).pop(_GATE_UP_KEY, None)
