@@ -38,6 +38,7 @@ from schedulers.load_phase import (
 )
 from schedulers.sampling_params import SamplingParams
 from tests.conftest import SIM_MODEL, LiveServer
+from tests.kernel_builds import record_compile_phases
 from tests.test_oracle import hf_greedy
 
 PROMPT = [5, 17, 200, 3, 99, 41, 7, 250, 12]
@@ -213,13 +214,7 @@ def test_health_metrics_and_the_header_name_the_path_before_and_after(
 def test_a_background_build_logs_its_progress_but_is_no_load_phase(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = []
-
-    def compile_(build_dir: Path, csrc: Path, name: str) -> ModuleType:
-        seen.append(current_load_phase())
-        return ModuleType(name)
-
-    monkeypatch.setattr(cpu_kernels, "_compile", compile_)
+    seen = record_compile_phases(monkeypatch)
     with capture_logs() as logs:
         cpu_kernels._built(tmp_path / "kernels", cpu_kernels.CSRC, "variant", background=True)
     assert seen == [None]  # /health stays 200 while it builds

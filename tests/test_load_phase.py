@@ -28,6 +28,7 @@ from schedulers.load_phase import (
     load_phase,
 )
 from tests.conftest import CHAT, LiveServer, error_of
+from tests.kernel_builds import record_compile_phases
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -125,13 +126,7 @@ def test_a_gguf_conversion_is_a_reported_phase(
 def test_a_kernel_build_and_the_wait_for_another_ones_are_reported_phases(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = []
-
-    def compile_(build_dir: Path, csrc: Path, name: str) -> ModuleType:
-        seen.append(current_load_phase())
-        return ModuleType(name)
-
-    monkeypatch.setattr(cpu_kernels, "_compile", compile_)
+    seen = record_compile_phases(monkeypatch)
     build_dir = tmp_path / "kernels"
     build_dir.mkdir()
     with (build_dir / "carousel.lock").open("w") as held:
