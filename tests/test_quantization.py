@@ -161,3 +161,34 @@ def test_r_is_timed_on_each_side_as_a_step_runs_it() -> None:
         x = torch.randn(3, pair.in_features, dtype=torch.bfloat16)
         dense, quantized = pair.dense(x).float(), pair.quantized(x).float()
         assert (quantized - dense).abs().max() <= 0.05 * dense.abs().max() + 1e-3
+
+
+def test_arms_sharing_one_model_share_one_measured_max_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two arms over one loaded model (an A/B of anything but quantisation) must serve the same
+    weights: the rows threshold is measured once, not once per arm (a noisy machine measured
+    R = 0 for one arm and 8 for the other)."""
+    from backends.torch.quantization import quantize
+
+    measured = iter([8, 1, 0, 0])  # what a second measurement would (wrongly) give
+    calls: list[int] = []
+
+    def measure(pairs: object, device: object, dtype: object, reps: int = 3) -> int:
+        calls.append(1)
+        return next(measured)
+
+    monkeypatch.setattr(quantize, "measure_max_rows", measure)
+    model = tiny_model("llama")
+
+    def arm() -> TorchBackend:
+        return TorchBackend(
+            model, tiny_tokenizer(), device="cpu", dtype="bfloat16", kv_cache_gb=0.01,
+            max_model_len=64, quantization="int8",
+        )  # fmt: skip
+
+    first, second = arm(), arm()
+    rows = [(b.model.quantization.layer_max_rows, b.model.quantization.lm_head_max_rows)
+            for b in (first, second)]  # fmt: skip
+    assert rows == [(8, 1), (8, 1)]
+    assert len(calls) == 2  # the layers and the LM head, once

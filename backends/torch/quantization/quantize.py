@@ -18,11 +18,14 @@ Each quantised linear (layers/quant_linear.py) takes its kernel for steps of at 
 and the full-precision weight otherwise. `R` is measured at load (`measure_max_rows`: both
 paths over every layer's linears, and over the LM head, at 1, 2, 4, ... rows; logged) unless
 `quantization_max_rows` sets it; a copy whose `R` is 0 is dropped. Arms sharing one loaded
-model and asking for the same quantisation share the quantised copies.
+model and asking for the same quantisation share the quantised copies and the measured `R`:
+measured per arm, a noisy machine gave two arms of one A/B different weights (R = 0 and 8),
+so a comparison of anything else also compared int4 against bf16.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +51,8 @@ AUTO, GGUF, INT8, NONE = QUANTIZATIONS
 #: row counts `measure_max_rows` tries, in order (a step past the last takes bf16 anyway)
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 _CACHE_ATTR = "_carousel_quantized"
+#: arms load on their own threads: one builds what they share while the others wait for it
+_SHARED_LOCK = threading.RLock()
 
 
 @dataclass
@@ -88,10 +93,11 @@ def resolve_mode(hf_model: PreTrainedModel, config: TorchBackendConfig) -> str:
 
 def _shared(hf_model: PreTrainedModel, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
     """`build()` once per loaded model and `key` (arms sharing the weights share it)."""
-    cache: dict[tuple[Any, ...], Any] = hf_model.__dict__.setdefault(_CACHE_ATTR, {})
-    if key not in cache:
-        cache[key] = build()
-    return cache[key]
+    with _SHARED_LOCK:
+        cache: dict[tuple[Any, ...], Any] = hf_model.__dict__.setdefault(_CACHE_ATTR, {})
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
 
 
 def _int4_copies(
@@ -269,12 +275,17 @@ def quantize_linears(
         _check_shape(key, dense, quantized)
     fixed = config.quantization_max_rows
     began = time.monotonic()
-    layer_rows = fixed if fixed is not None else measure_max_rows(
-        _all_pairs(linears, copies), device, dtype
-    )  # fmt: skip
-    head_rows = fixed if fixed is not None else measure_max_rows(
-        [linear_pair(lm_head, copies["lm_head"])], device, dtype
-    )  # fmt: skip
+    if fixed is not None:
+        layer_rows = head_rows = fixed
+    else:  # once per loaded model and layout: every arm serving it takes the same weights
+        layout = tuple(lin.gate_up is not None for lin in linears)
+        layer_rows, head_rows = _shared(
+            hf_model, ("max_rows", mode, str(device), dtype, layout),
+            lambda: (
+                measure_max_rows(_all_pairs(linears, copies), device, dtype),
+                measure_max_rows([linear_pair(lm_head, copies["lm_head"])], device, dtype),
+            ),
+        )  # fmt: skip
     aten = kernels  # torch's weight-only ops are named in kernels.py
     ops = []
     for i, projections in enumerate(plain):
