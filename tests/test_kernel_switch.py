@@ -95,10 +95,11 @@ def generate(backend: TorchBackend, on_step: Callable[[int], None]) -> tuple[lis
     return generation.choices[0].token_ids, llm
 
 
+@pytest.mark.parametrize("model_impl", ["carousel", "transformers"])
 def test_a_request_in_flight_keeps_its_greedy_tokens_across_the_switch(
-    gate: threading.Event,
+    gate: threading.Event, model_impl: str
 ) -> None:
-    backend = tiny_backend(dtype="float32", kernels_in_background=True)
+    backend = tiny_backend(dtype="float32", kernels_in_background=True, model_impl=model_impl)
     expected = hf_greedy(backend.hf_model, PROMPT, MAX_TOKENS)
     assert backend.serving_kernels == KERNELS_BUILDING
     assert not serves_kernels(backend.model)  # torch's ops: sdpa, oneDNN or F.linear

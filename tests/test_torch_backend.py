@@ -130,14 +130,16 @@ def test_backend_reports_eos_context_and_kv_capacity() -> None:
     assert backend.tokenizer.decode(backend.tokenizer.encode("hi there")) == "hi there"
 
 
-def test_unsupported_architecture_is_refused_with_the_supported_list(tmp_path: Path) -> None:
+def test_the_native_path_refuses_other_architectures_with_the_supported_list(
+    tmp_path: Path,
+) -> None:
     config = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
-        TorchBackend(GPT2LMHeadModel(config), tiny_tokenizer())
+        TorchBackend(GPT2LMHeadModel(config), tiny_tokenizer(), model_impl="carousel")
     config.architectures = ["GPT2LMHeadModel"]
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'"):
-        loader.load_model(str(tmp_path))
+        loader.load_model(str(tmp_path), model_impl="carousel")
 
 
 def test_local_hf_dir_loads(tmp_path: Path) -> None:

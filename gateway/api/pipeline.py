@@ -31,7 +31,9 @@ from gateway.api.errors import (
 )
 from gateway.api.outputs.tools import template_renders_tools
 from gateway.api.protocol import MAX_ARRAY_ITEMS, MAX_STOP_SEQUENCES, SamplingRequest
+from gateway.api.sampling_defaults import SamplingDefaults, sampling_fields
 from gateway.context import ClientDisconnected, RequestContext
+from gateway.settings.groups import GENERATION_CONFIG_AUTO
 from schedulers.base import AdmissionError
 from schedulers.client import RequestStream
 from schedulers.client import open_stream as open_engine_stream
@@ -55,7 +57,9 @@ class ServingOptions:
 
     `max_prompt_tokens` (None: the context window) refuses longer prompts with 400
     `context_length_exceeded`; `max_waiting_requests` (None: unbounded) answers 429 while
-    that many sequences wait in the engine.
+    that many sequences wait in the engine. `generation_config` says whose sampling defaults
+    a request's unset fields take: `auto` (the model's), `vllm` (OpenAI's) or a folder
+    (gateway/api/sampling_defaults.py).
     """
 
     default_max_tokens: int = 4096
@@ -63,15 +67,18 @@ class ServingOptions:
     retry_after_s: int = 1
     disconnect_poll_s: float = 0.1
     max_prompt_tokens: int | None = None
+    generation_config: str = GENERATION_CONFIG_AUTO
 
 
 @dataclass
 class EngineRuntime:
-    """A started engine with its tokenizer, as the pipelines see it."""
+    """A started engine with its tokenizer, as the pipelines see it, and what a request's
+    unset sampling fields become (`sampling_defaults`)."""
 
     engine: Engine
     options: ServingOptions
     scheduler: str
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     token_text: Callable[[int], str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -218,22 +225,19 @@ def context_budget(
 def sampling_params(
     request: SamplingRequest, runtime: EngineRuntime, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
-    """The engine's SamplingParams for `request` (OpenAI defaults where a field is absent);
-    `max_tokens` comes from `context_budget`."""
+    """The engine's SamplingParams for `request` (the arm's `sampling_defaults` where a
+    field is absent, else OpenAI's); `max_tokens` comes from `context_budget`."""
     stop_token_ids = list(request.stop_token_ids or [])
     check_token_ids(stop_token_ids, runtime.vocab_size, "stop_token_ids")
     if not request.skip_special_tokens:
         raise unsupported("skip_special_tokens", ": special tokens are always skipped")
+    defaults = runtime.sampling_defaults
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
-        "top_k": max(request.top_k or 0, 0),
-        "min_p": request.min_p or 0.0,
+        **sampling_fields(request, defaults),
         "seed": request.seed,
         "presence_penalty": request.presence_penalty or 0.0,
         "frequency_penalty": request.frequency_penalty or 0.0,
-        "repetition_penalty": request.repetition_penalty or 1.0,
         "logit_bias": parse_logit_bias(request.logit_bias, runtime.vocab_size),
         "logprobs": logprobs,
         "stop": parse_stop(request.stop),

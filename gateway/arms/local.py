@@ -7,10 +7,12 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import structlog
 from pydantic import BaseModel
 
 from gateway.api.endpoint import Endpoint, LocalPipeline, Reply
 from gateway.api.pipeline import EngineRuntime, ServingOptions
+from gateway.api.sampling_defaults import SamplingDefaults, sampling_defaults
 from gateway.arms.arm import Arm
 from gateway.context import RequestContext
 from gateway.obs.kv_capacity import KVCapacity
@@ -21,6 +23,8 @@ from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.engine import Engine
 from schedulers.load_phase import current_load_phase
+
+log = structlog.get_logger("carousel.gateway")
 
 
 class LocalArm(Arm):
@@ -90,6 +94,9 @@ class LocalArm(Arm):
         self._loading = True
         try:
             backend = await asyncio.to_thread(self._load_backend)
+            choice = self._options.generation_config
+            defaults = sampling_defaults(choice, backend.generation_config)
+            log_sampling_defaults(self.name, choice, defaults)
             engine = Engine(
                 backend,
                 self.scheduler,
@@ -101,7 +108,7 @@ class LocalArm(Arm):
                 metrics, model = self._metrics
                 metrics.watch_engine(engine, model, self.name)
             engine.start()
-            self._runtime = EngineRuntime(engine, self._options, self.scheduler)
+            self._runtime = EngineRuntime(engine, self._options, self.scheduler, defaults)
             self._pipelines = {}
         except Exception as exc:
             self._load_error = f"loading failed: {exc}"
@@ -182,3 +189,16 @@ class LocalArm(Arm):
             KVCapacity.of(engine.backend.kv_cache_spec, engine.max_model_len),
             engine.backend.serving_kernels,
         )
+
+
+def log_sampling_defaults(arm: str, choice: str, defaults: SamplingDefaults) -> None:
+    """Say, once per arm, what a request's unset sampling fields become (vLLM warns the same
+    when the model's generation config overrides its defaults)."""
+    log.info(
+        "sampling_defaults",
+        arm=arm,
+        generation_config=choice,
+        source=defaults.source,
+        **defaults.values(),
+        **({"ignored_without_do_sample": list(defaults.ignored)} if defaults.ignored else {}),
+    )

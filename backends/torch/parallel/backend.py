@@ -89,6 +89,10 @@ class TensorParallelBackend(Backend):
         return self.shard.grammar_vocab_size
 
     @property
+    def generation_config(self) -> dict[str, Any]:
+        return self.shard.generation_config
+
+    @property
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.shard.kv_cache_spec
 

@@ -23,8 +23,8 @@ from types import ModuleType
 from backends.torch import kernels
 from backends.torch.layers.linear import NATIVE
 from backends.torch.logs import engine_log
-from backends.torch.model import PagedCausalLM
 from backends.torch.runner.device_thread import run_on_device_thread
+from backends.torch.runner.model_impl import PagedModel
 from schedulers.load_phase import KERNELS_BUILDING, KERNELS_CAROUSEL, KERNELS_TORCH
 
 log = engine_log()
@@ -33,9 +33,9 @@ log = engine_log()
 LOWEST_PRIORITY = 19
 
 
-def serves_kernels(model: PagedCausalLM) -> bool:
-    """Whether a built `PagedCausalLM` runs any of Carousel's CPU kernels (its norms and
-    MLP, its packed linears, or its attention's decodes)."""
+def serves_kernels(model: PagedModel) -> bool:
+    """Whether a built model (either path: runner/model_impl.py) runs any of Carousel's CPU
+    kernels (its norms and MLP, its packed linears, or its attention's decodes)."""
     plan = model.plan
     return (
         model.dense_kernels is not None
@@ -68,7 +68,7 @@ class KernelSwitch:
     """
 
     def __init__(
-        self, build_model: Callable[[], PagedCausalLM], install: Callable[[PagedCausalLM], None]
+        self, build_model: Callable[[], PagedModel], install: Callable[[PagedModel], None]
     ) -> None:
         self._build_model = build_model
         self._install = install
@@ -114,7 +114,7 @@ class KernelSwitch:
         if not self._closed.is_set():
             run_on_device_thread(self._swap, model)
 
-    def _swap(self, model: PagedCausalLM) -> None:
+    def _swap(self, model: PagedModel) -> None:
         """On the device thread, between two steps: the kernels' model serves from now on."""
         if self._closed.is_set():
             return

@@ -38,6 +38,7 @@ from gateway.api.responses.store import (
     previous_conversation,
     remember_creator,
 )
+from gateway.api.sampling_defaults import sampling_fields
 from gateway.api.serving import LocalEndpoint
 from schedulers.client import RequestStream
 from schedulers.sampling_params import SamplingParams
@@ -95,11 +96,8 @@ class ResponsesEndpoint(LocalEndpoint[ResponsesRequest]):
         return request.max_output_tokens, "max_output_tokens"
 
     def sampling_params(self, request: ResponsesRequest, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-        )
+        defaults = self.runtime.sampling_defaults
+        return SamplingParams(max_tokens=max_tokens, **sampling_fields(request, defaults))
 
     def body(
         self, req: LocalRequest[ResponsesRequest], results: list[ChoiceResult]

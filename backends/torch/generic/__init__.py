@@ -1,0 +1,10 @@
+"""The generic path: any decoder-only transformers model's own code over the paged KV cache.
+
+Like vLLM's Transformers backend and SGLang's `models/transformers.py`: the model's modeling
+code runs as transformers wrote it (its rotary, norms, MLP, MoE routing, logits), and only
+attention goes to Carousel's attention backends, through a function registered with
+transformers' `AttentionInterface` (`attention.py`; soft-capped layers in `softcap.py`). What
+each layer's attention call looks like is read by one probe forward (`probe.py`);
+`TransformersCausalLM` (`model.py`) is the runner's model; `support.py` refuses, before any
+weight is read, what cannot run this way, and resolves `--model-impl`.
+"""

@@ -1,0 +1,134 @@
+"""`TransformersCausalLM`: any decoder-only transformers model's own code over the paged cache.
+
+The HF model runs as loaded (its buffers real: rotary `inv_freq`, Gemma's `embed_scale`), its
+text config's attention implementation set to Carousel's (attention.py) for each forward. The
+step's packed tokens go in as one row with their `position_ids` and `use_cache=False`, so the
+model's own rotary, norms, MLP or MoE routing run unchanged over `[1, N, hidden]`; only
+attention reaches the attention backend, which writes K/V into the paged blocks and attends
+with the block tables. The logits are the CausalLM's own (`logits_to_keep` at each sequence's
+last token): tied heads, `logit_scale` and `final_logit_softcapping` stay transformers'.
+Mixture-of-experts blocks keep their router; their experts take transformers' `grouped_mm`
+implementation where the class allows it (transformers documents it as the fastest on a CPU).
+With `prepack_weights` on a CPU, the plain `nn.Linear`s run through packed copies during a
+step (linears.py); nothing else of Carousel's (fused Q/K/V or gate/up, native norms, the
+native stack, quantised linears) runs here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from backends.torch.attention import create_backend
+from backends.torch.attention.base import AttentionSpec, BatchLayout
+from backends.torch.config import TorchBackendConfig
+from backends.torch.generic.attention import STEP_KWARG, LayerCall, Step, using_paged_attention
+from backends.torch.generic.linears import PackedLinears
+from backends.torch.generic.probe import probe_layers
+from backends.torch.kv_cache import KVCache
+from backends.torch.layers.linear import PackPlan, pack_plan
+from backends.torch.quantization.quantize import QuantizationReport
+
+#: transformers' experts implementation for MoE blocks
+EXPERTS_IMPLEMENTATION = "grouped_mm"
+
+
+def prepare(hf_model: PreTrainedModel) -> dict[int, LayerCall]:
+    """Set `hf_model`'s experts implementation (MoE) and read each layer's attention call
+    (probe.py): what the KV cache and the backend are built for."""
+    if type(hf_model)._can_set_experts_implementation():
+        hf_model.config._experts_implementation = EXPERTS_IMPLEMENTATION
+    return probe_layers(hf_model)
+
+
+def specs_of(layers: dict[int, LayerCall]) -> list[AttentionSpec]:
+    """The KV cache's layers' specs, in cache order."""
+    return [call.spec for call in sorted(layers.values(), key=lambda c: c.index)]
+
+
+class TransformersCausalLM:
+    """The runner's model on the generic path (see the module): the same face as the native
+    `PagedCausalLM` (forward, `specs`, `attention`, `kv_cache`, `quantization`, `close`), with
+    its packed linears but none of its fused layer ops, stacks or quantised linears."""
+
+    compiled = False
+    native_layers = None
+    dense_kernels = None
+
+    def __init__(
+        self,
+        hf_model: PreTrainedModel,
+        kv_cache: KVCache,
+        config: TorchBackendConfig,
+        layers: dict[int, LayerCall],
+    ) -> None:
+        config.check_generic()
+        self.hf_model = hf_model
+        self.kv_cache = kv_cache
+        self.layers = layers
+        self.specs = specs_of(layers)
+        self.device = kv_cache.k[0].device
+        self.attention = create_backend(
+            config.attention_backend, kv_cache, self.specs, self.device, native=config.cpu_kernels
+        )
+        dtype = kv_cache.k[0].dtype
+        plan = pack_plan(self.device, dtype, native=config.cpu_kernels)
+        self._plan = plan if config.prepack_weights else None
+        self.linears = None if self._plan is None else PackedLinears(hf_model, self._plan)
+        packed = 0 if self.linears is None else self.linears.packed_bytes
+        self.quantization = QuantizationReport(
+            mode="none", weight_bytes=_weight_bytes(hf_model, packed)
+        )
+
+    @property
+    def plan(self) -> PackPlan | None:
+        """When the `nn.Linear`s take their packed copies (linears.py), None: never."""
+        return self._plan
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: BatchLayout,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B', V) at the last scheduled token of sequences `logits_indices` (all)."""
+        step = Step(self.attention, self.attention.build_metadata(layout), self.layers)
+        last = layout.cu_seqlens_q[1:] - 1  # (B,)
+        if logits_indices is not None:
+            last = last[logits_indices]
+        packed = self.linears.swapped_in() if self.linears else contextlib.nullcontext()
+        with using_paged_attention(self.hf_model.config), packed:
+            out = self.hf_model(
+                input_ids=input_ids[None],  # (1, N): the packed step as one row
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=last,
+                **{STEP_KWARG: step},
+            )
+        logits: torch.Tensor = out.logits[0]  # (B', V)
+        return logits
+
+    __call__ = forward
+
+    def close(self) -> None:
+        """Nothing beyond the KV cache (the runner clears it) is held."""
+
+
+def _weight_bytes(hf_model: PreTrainedModel, packed: int) -> dict[str, int]:
+    """Resident parameter bytes by dtype (tied weights counted once), the `packed` bytes of
+    the packed copies under the model's dtype."""
+    seen: dict[int, Any] = {}
+    for param in hf_model.parameters():
+        seen.setdefault(param.data_ptr(), param)
+    out: dict[str, int] = {}
+    for param in seen.values():
+        name = str(param.dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + param.numel() * param.element_size()
+    name = str(hf_model.dtype).removeprefix("torch.")
+    out[name] = out.get(name, 0) + packed
+    return out
