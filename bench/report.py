@@ -17,7 +17,9 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
                 "errors": {message: count},
                 "trace": {"available", "note", "num_iterations", "max_num_seqs",
                           "mean_batch_size", "seat_occupancy", "num_preempted",
-                          "truncated"},
+                          "truncated", and where the arm verified drafts
+                          "num_verified_steps", "num_drafts", "num_draft_tokens",
+                          "num_accepted_tokens", "mean_acceptance_length"},
                 "prefix_cache": {"hit_rate", "cached_tokens", "prompt_tokens",
                                  "ttft_ms_first_turns", "ttft_ms_later_turns"}}],
       "comparison": [{"rate", "metric", "label", "unit", "baseline", "arm",

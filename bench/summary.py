@@ -2,7 +2,9 @@
 the verdict lines, read from report.json so the terminal and the files never disagree.
 
 One block per rate, one column per run (the baseline's first), rows for requests ok/failed,
-duration, throughputs, goodput against `--slo`, and TTFT, TPOT and ITL at p50, p90 and p99.
+duration, throughputs, goodput against `--slo`, speculative decoding's mean acceptance length
+and draft acceptance rate (where an arm verified drafts: its iteration trace), and TTFT, TPOT
+and ITL at p50, p90 and p99.
 Then, per candidate arm, the verdict's sentences with their 95% intervals against the baseline,
 better and worse marked, and the most frequent errors of any run that had some.
 """
@@ -70,6 +72,7 @@ def results_block(report: dict[str, Any]) -> list[str]:
             rows.append(("Goodput (req/s)", [_num(x["goodput"]) for x in m]))
             rows.append(("Requests meeting --slo", share))
         lines += [_row(label, cells, width) for label, cells in rows]
+        lines += _acceptance_rows(at_rate, width)
         for key, title in LATENCIES:
             lines.append(_rule(title))
             for p in PERCENTILES:
@@ -79,6 +82,24 @@ def results_block(report: dict[str, Any]) -> list[str]:
             for message, count in list(run["errors"].items())[:3]:
                 lines.append(f"errors of {name}: {count} x {message}")
     return lines
+
+
+def _acceptance_rows(runs: list[dict[str, Any]], width: int) -> list[str]:
+    """vLLM's speculative decoding rows (mean acceptance length, draft acceptance rate) from
+    each run's iteration trace; none when no run at this rate verified drafts."""
+    traces = [r.get("trace") or {} for r in runs]
+    if not any(t.get("num_drafts") for t in traces):
+        return []
+    rates = [
+        t["num_accepted_tokens"] / t["num_draft_tokens"] if t.get("num_draft_tokens") else None
+        for t in traces
+    ]
+    return [
+        _row(
+            "Mean acceptance length", [_num(t.get("mean_acceptance_length")) for t in traces], width
+        ),
+        _row("Draft acceptance rate", ["-" if r is None else f"{r:.0%}" for r in rates], width),
+    ]
 
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:

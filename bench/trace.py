@@ -195,6 +195,25 @@ def trace_summary(trace: ArmTrace, num_completed: int) -> dict[str, Any]:
         "seat_occupancy": grid.occupancy,
         "num_preempted": int(sum(int(it.get("num_preempted") or 0) for it in trace.iterations)),
         "truncated": truncated(trace, num_completed),
+        **spec_decode_summary(trace.iterations),
+    }
+
+
+def spec_decode_summary(iterations: list[dict[str, Any]]) -> dict[str, Any]:
+    """Speculative decoding over the run, from the iterations' marks (vLLM's counters): steps
+    that verified drafts, drafts (one per row per step), draft and accepted tokens, and the mean
+    acceptance length (vLLM's: 1 + accepted / drafts, the bonus token included); empty for a
+    run that verified none (an arm without `--speculative-config`)."""
+    counts = {
+        key: sum(int(it.get(key) or 0) for it in iterations)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
+    if not counts["num_drafts"]:
+        return {}
+    return {
+        "num_verified_steps": sum(1 for it in iterations if it.get("num_drafts")),
+        **counts,
+        "mean_acceptance_length": 1 + counts["num_accepted_tokens"] / counts["num_drafts"],
     }
 
 

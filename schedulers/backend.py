@@ -55,6 +55,20 @@ class Backend(abc.ABC):
         return None
 
     @property
+    def generation_config(self) -> dict[str, Any]:
+        """The model's own generation config, the values it writes (HF
+        `GenerationConfig.to_diff_dict()`): where `--generation-config auto` finds its sampling
+        defaults. Empty: no model, or none written (the sim)."""
+        return {}
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether `execute` verifies a batch's draft tokens (`Batch.draft_token_ids`,
+        speculative decoding) into `ExecuteOutput.verified`; the engine refuses
+        `speculative_config` over a backend that does not."""
+        return False
+
+    @property
     def weight_bytes(self) -> dict[str, int]:
         """Resident weight bytes per format (`bfloat16`, `int4`, ...); empty: no weights."""
         return {}

@@ -13,7 +13,15 @@ from typing import Any, ClassVar
 from schedulers import defaults
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager, PrefixHit, blocks_for
-from schedulers.sequence import QUEUE_TIMEOUT, FinishReason, Sequence, SequenceStatus
+from schedulers.sequence import (
+    QUEUE_TIMEOUT,
+    FinishReason,
+    Sequence,
+    SequenceStatus,
+    TokenLogprob,
+)
+from schedulers.spec_decode.config import SpeculativeConfig
+from schedulers.spec_decode.drafter import Drafter
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,8 @@ class SchedulerConfig:
     later sequences starting with the same tokens (admission starts them after the hit).
     `grammar_compile_timeout_s`: the engine's grammar compiler gives up on (and kills) a
     compile running longer (`GrammarLimits.compile_timeout_s`).
+    `speculative_config`: prompt-lookup drafts verified in each step (schedulers/spec_decode/,
+    `--speculative-config`); None: no speculation, every step as without it.
     """
 
     max_num_seqs: int = defaults.MAX_NUM_SEQS
@@ -37,6 +47,7 @@ class SchedulerConfig:
     max_queue_wait_s: float | None = None
     enable_prefix_caching: bool = False
     grammar_compile_timeout_s: float = defaults.GRAMMAR_COMPILE_TIMEOUT_S
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -91,6 +102,9 @@ class Scheduler(abc.ABC):
         #: what "now" is to the policy (arrival times are in its frame); a simulator in
         #: virtual time replaces it (backends/sim_plan.py)
         self.clock: Callable[[], float] = time.monotonic
+        #: drafts for every policy's decoding rows (None: speculation off, nothing asked)
+        spec = config.speculative_config
+        self.drafter: Drafter | None = None if spec is None else Drafter(spec)
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -134,6 +148,8 @@ class Scheduler(abc.ABC):
         seq.error = error
         seq.finish_time = self.clock()
         self.block_manager.free(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq.seq_id)
 
     def expire_waiting(self, now: float) -> list[Sequence]:
         """Finish (with `queue_timeout`) waiting sequences never scheduled within
@@ -258,6 +274,9 @@ class Scheduler(abc.ABC):
         self._iteration += 1
         batch = Batch(iteration=self._iteration)
         self._schedule(batch)
+        if self.drafter is not None:
+            budget = self.config.max_num_batched_tokens
+            self.drafter.add_drafts(batch, self.block_manager, budget, self.max_model_len)
         now = self.clock()
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
@@ -270,6 +289,8 @@ class Scheduler(abc.ABC):
 
     def update(self, batch: Batch, output: ExecuteOutput) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, finish and free; return finished."""
+        if batch.num_draft_tokens:
+            return self._update_verified(batch, output)
         finished: list[Sequence] = []
         now = self.clock()
         for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
@@ -291,6 +312,57 @@ class Scheduler(abc.ABC):
                 self.finish(seq, reason, error)
                 finished.append(seq)
         return finished
+
+    def _update_verified(self, batch: Batch, output: ExecuteOutput) -> list[Sequence]:
+        """`update` of a step that verified drafts: a verifying row's rejected drafts are not
+        computed (`num_computed_tokens` counts its own token, then one more per emitted token
+        after the first: each is an accepted draft whose KV the step wrote), its emitted
+        tokens are appended one at a time, each checked as a sampled token is, and those
+        after the one that finished it are dropped (`output.verified` cut to match). Blocks
+        are registered after that, so only real tokens' blocks are hashed."""
+        assert self.drafter is not None
+        finished: list[Sequence] = []
+        now = self.clock()
+        for i, (seq, num_tokens) in enumerate(
+            zip(batch.seqs, batch.num_scheduled_tokens, strict=True)
+        ):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            drafts = batch.draft_token_ids.get(i, ())
+            seq.num_computed_tokens += num_tokens - len(drafts)
+            tokens = output.verified.get(seq.seq_id)
+            if tokens is not None:
+                self.drafter.observe(seq.seq_id, len(drafts), len(tokens) - 1)
+            else:
+                sampled = output.sampled.get(seq.seq_id)
+                tokens = [] if sampled is None else [sampled]
+            kept, reason, error = self._append_emitted(seq, tokens, now)
+            if len(kept) < len(tokens):
+                output.verified[seq.seq_id] = kept
+            self.block_manager.cache_full_blocks(seq)
+            if reason is not None:
+                self.running.remove(seq)
+                self.finish(seq, reason, error)
+                finished.append(seq)
+        return finished
+
+    def _append_emitted(
+        self, seq: Sequence, tokens: list[TokenLogprob], now: float
+    ) -> tuple[list[TokenLogprob], FinishReason | None, str | None]:
+        """Append `tokens` to `seq` until one finishes it: (those appended, why it finished,
+        the grammar's error)."""
+        for n, sampled in enumerate(tokens):
+            if n:  # the draft this token follows was accepted: its KV is a real token's now
+                seq.num_computed_tokens += 1
+            seq.output_token_ids.append(sampled.token_id)
+            seq.output_logprobs.append(sampled)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            error = self._advance_grammar(seq, sampled.token_id)
+            reason = FinishReason.ERROR if error is not None else self.stop_reason(seq)
+            if reason is not None:
+                return tokens[: n + 1], reason, error
+        return tokens, None, None
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token_id: int) -> str | None:

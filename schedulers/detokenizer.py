@@ -68,6 +68,10 @@ class IncrementalDetokenizer:
         self._pending = ""
         self.stopped = False
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """Append sampled tokens; extends the pending text and checks stop strings."""
         if self.stopped:

@@ -22,7 +22,7 @@ from typing import Any
 from schedulers import defaults
 from schedulers.backend import Backend, BackendDeadError
 from schedulers.base import AdmissionError, SchedulerConfig
-from schedulers.batch import Batch
+from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager
 from schedulers.mailbox import held_wakeups
 from schedulers.outputs import IterationRecord, RequestOutput
@@ -86,6 +86,11 @@ class Engine:
         asked = config.max_model_len or backend.max_model_len
         self.max_model_len = min(asked, backend.max_model_len)
         self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
+        if self.config.speculative_config is not None and not backend.verifies_drafts:
+            raise ValueError(
+                f"{type(backend).__name__} cannot verify draft tokens: drop "
+                "--speculative-config for it (the single-device torch backend verifies them)"
+            )
         spec = backend.kv_cache_spec
         self.backend = backend
         self.name = name
@@ -116,6 +121,8 @@ class Engine:
         )
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        #: the drafter's (drafts, draft tokens, accepted tokens) at the last verified step
+        self._spec_seen = (0, 0, 0)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -365,17 +372,26 @@ class Engine:
         self._record(batch, start_wall, time.monotonic() - start)
         # NOTE: look requests up first: emitting a request's last choice forgets the request.
         emits = [
-            (request, seq, sampled)
-            for seq, sampled in self._sampled_seqs(batch, output.sampled)
+            (request, seq, tokens)
+            for seq, tokens in self._sampled_seqs(batch, output)
             if (request := self._requests.get(seq.request_id)) is not None
         ]
         with held_wakeups():  # NOTE: the consumers' loops wake to the whole iteration
-            for request, seq, sampled in emits:
-                self._emit(request, seq, [sampled], final=seq.is_finished)
+            for request, seq, tokens in emits:
+                self._emit(request, seq, tokens, final=seq.is_finished)
 
     @staticmethod
-    def _sampled_seqs(batch: Batch, sampled: dict[int, Any]) -> list[tuple[Sequence, Any]]:
-        return [(seq, sampled[seq.seq_id]) for seq in batch.seqs if seq.seq_id in sampled]
+    def _sampled_seqs(batch: Batch, output: ExecuteOutput) -> list[tuple[Sequence, list[Any]]]:
+        """Each sequence's tokens of this step: its sampled one, or what its verified drafts
+        emitted (`ExecuteOutput.verified`: all in one output, so one stream chunk)."""
+        sampled, verified = output.sampled, output.verified
+        if verified:
+            return [
+                (seq, verified[seq.seq_id] if seq.seq_id in verified else [sampled[seq.seq_id]])
+                for seq in batch.seqs
+                if seq.seq_id in verified or seq.seq_id in sampled
+            ]
+        return [(seq, [sampled[seq.seq_id]]) for seq in batch.seqs if seq.seq_id in sampled]
 
     def _emit(self, request: _Request, seq: Sequence, new: list[Any], final: bool) -> None:
         want_logprobs = seq.sampling_params.logprobs is not None
@@ -436,6 +452,20 @@ class Engine:
                     self._emit(request, seq, [], final=True)
         self._requests.clear()
 
+    def _verified(self) -> dict[str, int]:
+        """The trace's marks of a step that verified drafts: what it added to the drafter's
+        counters (vLLM's: drafts, draft tokens, accepted tokens; rows aborted meanwhile are
+        not counted)."""
+        drafter = self.scheduler.drafter
+        assert drafter is not None
+        stats = drafter.stats
+        now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        step = [a - b for a, b in zip(now, self._spec_seen, strict=True)]
+        self._spec_seen = now
+        return dict(
+            zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"), step, strict=True)
+        )
+
     def _record(self, batch: Batch, start_wall: float, duration: float) -> None:
         record = IterationRecord(
             iteration=batch.iteration,
@@ -451,6 +481,7 @@ class Engine:
             num_preempted=len(batch.preempted),
             kv_usage=self.block_manager.usage,
             max_num_seqs=self.config.max_num_seqs,
+            **(self._verified() if batch.num_draft_tokens else {}),
         )
         self.trace.append(record)
         for listener in self.iteration_listeners:

@@ -54,7 +54,9 @@ class OutputProcessor:
             return None, False
         detok = choice.detokenizer
         kept = output.token_ids
-        if kept and output.finish_reason != FinishReason.ABORT:
+        if len(kept) > 1 and detok.has_stop_strings and output.finish_reason != FinishReason.ABORT:
+            choice.num_output_tokens += self._up_to_stop(detok, output)
+        elif kept and output.finish_reason != FinishReason.ABORT:
             choice.num_output_tokens += len(kept)
             detok.add_tokens(kept)
         stopped = detok.stopped
@@ -73,3 +75,16 @@ class OutputProcessor:
         if final:
             output.num_output_tokens = choice.num_output_tokens
         return output, stop_hit
+
+    @staticmethod
+    def _up_to_stop(detok: IncrementalDetokenizer, output: RequestOutput) -> int:
+        """Several tokens at once (verified drafts): added one at a time, so a stop string
+        ends them at the token that completed it, as it would one token per output; the
+        output's tokens and logprobs are cut there. Returns how many it kept."""
+        for n, token_id in enumerate(output.token_ids):
+            detok.add_tokens([token_id])
+            if detok.stopped:
+                output.token_ids = output.token_ids[: n + 1]
+                output.logprobs = output.logprobs[: n + 1]
+                break
+        return len(output.token_ids)

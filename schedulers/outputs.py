@@ -60,6 +60,11 @@ class IterationRecord:
     num_preempted: int
     kv_usage: float
     max_num_seqs: int
+    #: speculative decoding (0 in a step that verified none): rows that verified drafts,
+    #: their draft tokens (computed beside the decodes) and the drafts they accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -67,4 +72,9 @@ class IterationRecord:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
+
+    @property
+    def verified(self) -> bool:
+        """Whether this step verified draft tokens."""
+        return self.num_drafts > 0

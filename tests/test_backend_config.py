@@ -32,6 +32,9 @@ OTHER_TEXT = {
     "scheduler": "static",
     "backend": "sim",
     "quantization": "none",
+    "model_impl": "transformers",
+    "generation_config": "vllm",
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
 }
 
 

@@ -147,3 +147,73 @@ def test_rows_asked_for_are_staged_as_logits_indices() -> None:
     staged = stager.stage(batch, rows=[1])
     assert staged.logits_indices is not None and staged.logits_indices.tolist() == [1]
     assert stager.stage(batch).logits_indices is None
+
+
+class DraftDriver(Driver):
+    """`Driver` whose decoding rows verify a few random drafts (blocks allocated for them),
+    each step accepting a random number of them, as the scheduler advances a verified row."""
+
+    def step(self, iteration: int) -> Batch:
+        batch = super().step(iteration)
+        for i, seq in enumerate(batch.seqs):
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.num_output_tokens:
+                continue  # only a decode drafts
+            k = self.rng.randrange(0, 4)
+            if k and self.blocks.can_allocate(seq, seq.num_computed_tokens + 1 + k):
+                self.blocks.allocate(seq, seq.num_computed_tokens + 1 + k)
+                batch.add_drafts(i, [self.rng.randrange(50) for _ in range(k)])
+        return batch
+
+    def update(self, batch: Batch) -> None:
+        for i, seq in enumerate(batch.seqs):
+            drafts = batch.draft_token_ids.get(i, [])
+            if not drafts:
+                continue
+            accepted = self.rng.randrange(0, len(drafts) + 1)
+            seq.num_computed_tokens += 1 + accepted  # the base update adds the row's 1 after
+            seq.output_token_ids += drafts[:accepted]
+            batch.num_scheduled_tokens[i] = 0
+        super().update(batch)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 4]))
+def test_a_step_verifying_drafts_is_staged_one_row_per_verified_token(
+    seed: int, block_size: int
+) -> None:
+    """Staged as `prepare_inputs` lays it out: a verifying row's last token and drafts are
+    one-token rows at consecutive positions, each with one more key than the one before, and
+    every one of them gives logits."""
+    rng = random.Random(seed)
+    driver = DraftDriver(rng, block_size, 5)
+    stager = InputStager(block_size, 4, NUM_BLOCKS, CPU, token_capacity=8, max_num_seqs=2)
+    verified = 0
+    for iteration in range(40):
+        batch = driver.step(iteration)
+        if batch.is_empty:
+            if not driver.running and not driver.waiting:
+                break
+            continue
+        rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
+        staged = stager.stage(batch, rows)
+        assert_same_input(staged, batch, block_size)
+        layout, ids = staged.model_input.layout, staged.model_input.input_ids.tolist()
+        widths = [1 + len(batch.draft_token_ids.get(i, [])) for i in range(len(batch.seqs))]
+        firsts = [sum(widths[:i]) for i in range(len(batch.seqs))]
+        for i, drafts in batch.draft_token_ids.items():
+            verified += 1
+            seq, start = batch.seqs[i], batch.seqs[i].num_computed_tokens
+            mine = range(firsts[i], firsts[i] + 1 + len(drafts))
+            assert [layout.seqlens_q[r] for r in mine] == [1] * len(mine)
+            assert [layout.seqlens_k[r] for r in mine] == list(
+                range(start + 1, start + 1 + len(mine))
+            )
+            assert [ids[layout.query_starts[r]] for r in mine] == [
+                seq.output_token_ids[-1],
+                *drafts,
+            ]
+        assert staged.logits_indices is not None
+        want = [firsts[i] + j for i in rows for j in range(widths[i])]
+        assert staged.logits_indices.tolist() == want
+        driver.update(batch)
+    assert verified

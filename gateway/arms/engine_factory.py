@@ -22,6 +22,7 @@ from gateway.settings.groups import unhonoured_message
 from gateway.settings.load import Settings
 from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
+from schedulers.spec_decode.config import parse_speculative_config
 
 T = TypeVar("T")
 
@@ -64,6 +65,7 @@ def torch_backend_config(settings: Settings) -> Any:
         quantization=settings.quantization,
         quantization_max_rows=settings.quantization_max_rows,
         batch_invariant=settings.batch_invariant,
+        model_impl=settings.model_impl,
     )
 
 
@@ -78,7 +80,10 @@ def sim_options(settings: Settings) -> dict[str, Any]:
 
 
 def scheduler_config(settings: Settings) -> SchedulerConfig:
-    return by_field_name(SchedulerConfig, settings)
+    """The `SchedulerConfig` of `settings` (`speculative_config`'s JSON parsed: the settings
+    checked it already)."""
+    spec = parse_speculative_config(settings.speculative_config)
+    return by_field_name(SchedulerConfig, settings, speculative_config=spec)
 
 
 def serving_options(settings: Settings) -> ServingOptions:
@@ -102,7 +107,9 @@ class SharedWeights:
 
 def load_weights(settings: Settings) -> tuple[Any, Any]:
     """(HF model, tokenizer) as the settings name them (torch imported here, lazily)."""
-    return _torch_modules().load_weights(settings.model, settings.device, settings.dtype)
+    return _torch_modules().load_weights(
+        settings.model, settings.device, settings.dtype, settings.model_impl
+    )
 
 
 def load_backend(settings: Settings, weights: SharedWeights | None = None) -> Backend:

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.obs.kv_capacity import KVCapacity
+from gateway.obs.spec_metrics import SpecDecodeCounters
 from schedulers.load_phase import KERNELS_BUILDING, KERNELS_CAROUSEL
 
 if TYPE_CHECKING:
@@ -308,6 +309,7 @@ class GatewayMetrics:
             "carousel_prefix_cache_hits",
             "Tokens of the sequences admitted, served from the prefix cache",
         )
+        self._spec: SpecDecodeCounters | None = None
         if arm_gauges is not None:
             self.registry.register(_ArmCollector(arm_gauges))
         if arm_info is not None:  # not wired: no carousel_arm_info series at all
@@ -367,6 +369,11 @@ class GatewayMetrics:
 
         engine.iteration_listeners.append(on_iteration)
         engine.finish_listeners.append(on_finish)
+        drafter = engine.scheduler.drafter
+        if drafter is not None:  # registered on first use: no series without speculation
+            if self._spec is None:
+                self._spec = SpecDecodeCounters(self.registry)
+            engine.iteration_listeners.append(self._spec.listener(drafter.stats, model, arm))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,11 +11,13 @@ refused (`unhonoured_settings`).
 from __future__ import annotations
 
 import difflib
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, field_validator
 from pydantic_settings import NoDecode
 
 from backends.torch.config import TorchBackendConfig
@@ -25,8 +27,13 @@ from gateway.settings.policy_options import (
     policy_option_names,
 )
 from schedulers import defaults
+from schedulers.spec_decode.config import parse_speculative_config
 
 DEFAULT_MODEL = "default"
+#: `--generation-config`'s named values (vLLM's): the model's sampling defaults, or OpenAI's
+GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM = "auto", "vllm"
+#: the file a model (or a `--generation-config` folder) writes its generation defaults in
+GENERATION_CONFIG_FILE = "generation_config.json"
 VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
 
 
@@ -39,6 +46,19 @@ def per_arm() -> dict[str, Any]:
     """`json_schema_extra` of a field outside the per-arm groups that an arm may override."""
     return {"per_arm": True}
 
+
+def _speculative_json(value: Any) -> Any:
+    """`--speculative-config` as given (JSON text, or a YAML mapping) -> its JSON text, checked
+    now (a bad one is refused at start-up, naming the key); "" or "null" is off (an arm's way
+    to turn off a top-level config)."""
+    if isinstance(value, Mapping):
+        value = json.dumps(dict(value))
+    if isinstance(value, str):
+        parse_speculative_config(value)
+    return value
+
+
+SpeculativeJson = Annotated[str | None, BeforeValidator(_speculative_json)]
 
 #: the dtypes `--dtype` takes (vLLM's names; `half` and `float` are aliases)
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
@@ -54,7 +74,9 @@ def vllm_batch_invariant() -> bool:
 class ModelSettings(BaseModel):
     """Which model, and how it runs (shared by a deployment's local arms)."""
 
-    model: str = Field(DEFAULT_MODEL, description="default | HF directory | file.gguf | hub id")
+    model: str = Field(
+        DEFAULT_MODEL, description="default | gemma-3-270m | HF directory | file.gguf | hub id"
+    )
     served_model_name: str | None = Field(
         None, description="the name clients use (default: from --model)"
     )
@@ -74,6 +96,12 @@ class ModelSettings(BaseModel):
     )
     max_model_len: int | None = Field(
         None, ge=1, description="context window in tokens (default: the model's)"
+    )
+    generation_config: str = Field(
+        GENERATION_CONFIG_AUTO,
+        description="what a request's unset temperature, top_p, top_k, min_p and "
+        "repetition_penalty become: auto (the model's generation_config.json), vllm (OpenAI's "
+        "defaults), or a folder holding a generation_config.json (default: auto)",
     )
     prepack_weights: bool = Field(
         True, description="CPU: a prepacked weight copy for decode-sized matmuls",
@@ -125,6 +153,14 @@ class ModelSettings(BaseModel):
         "attention token by token; CPU kernels only, no quantised weights",
         json_schema_extra={**torch_only(), **per_arm()},
     )  # fmt: skip
+    model_impl: Literal["auto", "carousel", "transformers"] = Field(
+        "auto",
+        description="which code runs the model (vLLM's --model-impl): carousel (native layers, "
+        "the Llama family), transformers (the model's own transformers code, attention on "
+        "Carousel's paged cache), auto (carousel where it implements the model, else "
+        "transformers)",
+        json_schema_extra={**torch_only(), **per_arm()},
+    )
     sim_time_scale: float = Field(0.0, ge=0, description="sim: sleep this x the modelled time")
     sim_num_blocks: int = Field(4096, ge=1, description="sim: KV blocks of the simulated cache")
     sim_max_model_len: int = Field(4096, ge=1, description="sim: context window")
@@ -134,6 +170,16 @@ class ModelSettings(BaseModel):
     def _vllm_switch(cls, value: bool) -> bool:
         """On where asked for, or where vLLM's own switch (`VLLM_BATCH_INVARIANT=1`) is set."""
         return value or vllm_batch_invariant()
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, value: str) -> str:
+        named = value in (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_VLLM)
+        if not named and not (Path(value).expanduser() / GENERATION_CONFIG_FILE).is_file():
+            raise ValueError(
+                f"must be auto, vllm or a folder holding a generation_config.json, got {value!r}"
+            )
+        return value
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -180,6 +226,12 @@ class SchedulerSettings(BaseModel):
     max_queue_wait_s: float | None = Field(
         None, gt=0, description="429 when a request is not scheduled within this many seconds"
     )
+    speculative_config: SpeculativeJson = Field(
+        None, description="torch: speculative decoding, vLLM's JSON (e.g. {\"method\": "
+        "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}): prompt-lookup "
+        "drafts verified inside each step (default: off)",
+        json_schema_extra={**torch_only(), "metavar": "JSON"},
+    )  # fmt: skip
     #: the policies' own knobs by name (flat keys such as `batch_wait_ms` land here)
     scheduler_options: dict[str, Any] = Field(default_factory=dict, exclude=False)
 
@@ -361,7 +413,10 @@ def unhonoured_settings(settings: BaseModel) -> list[str]:
     if values["backend"] == "sim":
         return [k for k, v in torch_settings.items() if values[k] != v]
     # NOTE: the torch backend's config owns which of them run together (it imports no torch)
-    return TorchBackendConfig.unhonoured(values)
+    names = TorchBackendConfig.unhonoured(values)
+    if values["speculative_config"] and values["tensor_parallel_size"] > 1:
+        names.append("speculative_config")  # its ranks' steps carry no drafts
+    return names
 
 
 def unhonoured_message(settings: BaseModel) -> str | None:
@@ -373,6 +428,8 @@ def unhonoured_message(settings: BaseModel) -> str | None:
     if backend == "torch":
         size = getattr(settings, "tensor_parallel_size", 1)
         backend = f"the torch backend with tensor_parallel_size {size}"
+        if getattr(settings, "model_impl", None) == "transformers":
+            backend += " and model_impl transformers"
     them = "it" if len(names) == 1 else "them"
     message = f"{backend} cannot honour {', '.join(names)}: drop {them} or choose a backend that "
     message += "does"

@@ -30,18 +30,18 @@ from backends.torch.config import AUTO, TorchBackendConfig
 from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.linears import Placement
 from backends.torch.loader import (
-    check_architecture,
     checkpoint_dtype,
     config_dtype,
     load_model,
 )
-from backends.torch.model import PagedCausalLM, attention_specs
 from backends.torch.runner.cuda_graphs import Capturer, DecodeGraphs, cuda_capturer
 from backends.torch.runner.device_thread import call_on_own_thread, run_on_device_thread
 from backends.torch.runner.inputs import ModelInput
 from backends.torch.runner.kernel_switch import KernelSwitch, serves_kernels
+from backends.torch.runner.model_impl import ModelBuilder, PagedModel, check_model_impl
 from backends.torch.runner.staging import InputStager, StagedInput
 from backends.torch.sample.sampler import Sampler
+from backends.torch.sample.verify import verify_step
 from schedulers.backend import Backend, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import blocks_for
@@ -126,7 +126,7 @@ class TorchBackend(Backend):
     def _build(self, model: PreTrainedModel, tokenizer: Any, config: TorchBackendConfig) -> None:
         self.config = config
         device, dtype = config.device, config.dtype
-        check_architecture(type(model).__name__)
+        impl = check_model_impl(model, config)  # refuses before anything is moved or built
         self.device = resolve_device(device)
         # NOTE: on CPU a model handed in without a dtype keeps its own (loaders already chose)
         keep = dtype is None and self.device.type == "cpu"
@@ -139,7 +139,8 @@ class TorchBackend(Backend):
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         self.eos_token_ids = eos_token_ids_of(model, tokenizer)
-        specs = attention_specs(model)
+        self.builder = ModelBuilder.of(model, impl)  # the generic path probes the model here
+        specs = self.builder.specs
         kv_layout = KVLayout(
             num_layers=len(specs),
             num_kv_heads=specs[0].num_kv_heads,
@@ -154,7 +155,7 @@ class TorchBackend(Backend):
         # NOTE: nothing built over torch's ops may ask for the kernels: it would wait for the
         # build's lock (pack plan, attention `auto`, norms and sampler all take `cpu_kernels`)
         served = dataclasses.replace(config, cpu_kernels=False) if later else config
-        self.model = PagedCausalLM(model, self.kv_cache, served, placement=self._placement())
+        self.model: PagedModel = self.builder.build(model, self.kv_cache, served, self._placement())
         self.model.attention.warm_up()
         self.sampler = Sampler(
             self._vocab_size(hf_config), self.device, config.max_num_seqs,
@@ -199,12 +200,12 @@ class TorchBackend(Backend):
         """The background build of the kernels and of their model over this backend's HF model
         and KV cache (kernel_switch.py); the sampler stays as built."""
 
-        def build_model() -> PagedCausalLM:
-            built = PagedCausalLM(hf_model, self.kv_cache, config, placement=self._placement())
+        def build_model() -> PagedModel:
+            built = self.builder.build(hf_model, self.kv_cache, config, self._placement())
             built.attention.warm_up()
             return built
 
-        def install(built: PagedCausalLM) -> None:
+        def install(built: PagedModel) -> None:
             self.model = built
 
         return KernelSwitch(build_model, install)
@@ -236,7 +237,9 @@ class TorchBackend(Backend):
             auto = config.dtype in (None, "auto") and target.type == "cuda"
             checkpoint = checkpoint_dtype(config.model) if auto else None
             dtype = resolve_dtype(config.dtype, target, checkpoint)
-            hf_model, tokenizer = load_model(config.model, dtype=dtype)
+            hf_model, tokenizer = load_model(
+                config.model, dtype=dtype, model_impl=config.model_impl
+            )
             resolved = dataclasses.replace(config, dtype=str(dtype).removeprefix("torch."))
             return cls(hf_model, tokenizer, resolved)
 
@@ -246,10 +249,13 @@ class TorchBackend(Backend):
         """How decode steps are captured (cuda_graphs.py); None: every step runs eager.
 
         On CUDA unless `enforce_eager`; never for tensor parallelism, whose ranks meet in
-        collectives between the kernels.
+        collectives between the kernels, nor for the generic path, whose transformers code may
+        synchronise with the host inside a step.
         """
         config = self.config
         if self.device.type != "cuda" or config.enforce_eager or config.tensor_parallel_size > 1:
+            return None
+        if self.builder.generic:
             return None
         return cuda_capturer(self.device)
 
@@ -269,6 +275,11 @@ class TorchBackend(Backend):
     @property
     def grammar_vocab_size(self) -> int:
         return self.sampler.vocab_size
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        config = getattr(self.hf_model, "generation_config", None)
+        return {} if config is None else dict(config.to_diff_dict())
 
     @property
     def weight_bytes(self) -> dict[str, int]:
@@ -294,6 +305,8 @@ class TorchBackend(Backend):
         return run_on_device_thread(self._execute, batch)
 
     def _execute(self, batch: Batch) -> ExecuteOutput:
+        if batch.num_draft_tokens:
+            return self._verify(batch)
         rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
         seqs = [batch.seqs[i] for i in rows]
         replayed = self.graphs.run(batch) if self.graphs is not None else None
@@ -311,6 +324,17 @@ class TorchBackend(Backend):
         return ExecuteOutput(
             sampled={seq.seq_id: tok for seq, tok in zip(seqs, sampled, strict=True)}
         )
+
+    def _verify(self, batch: Batch) -> ExecuteOutput:
+        """A step that verifies drafts: logits at every position of its sampled rows (staged
+        as runner/verify_rows.py lays them out; never a CUDA graph's), then each row's tokens
+        (sample/verify.py)."""
+        rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
+        return verify_step(self.sampler, self.raw_logits(batch, rows), batch, rows)
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return True
 
     def logits(self, batch: Batch, rows: list[int] | None = None) -> torch.Tensor:
         """Run `batch` (writing its KV) and return float32 logits (B', V) at the last scheduled

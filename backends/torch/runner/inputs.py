@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.torch.attention.base import BatchLayout
+from backends.torch.runner.verify_rows import verify_rows
 from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
 
@@ -22,21 +23,26 @@ class ModelInput:
 
 
 def prepare_inputs(batch: Batch, block_size: int, device: torch.device) -> ModelInput:
-    """Flatten `batch` into token ids, positions and attention layout on `device`."""
-    starts = [seq.num_computed_tokens for seq in batch.seqs]
-    q_lens = batch.num_scheduled_tokens
-    ctx_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
-    token_ids = list(
-        itertools.chain.from_iterable(
-            seq.token_ids(s, c) for seq, s, c in zip(batch.seqs, starts, ctx_lens, strict=True)
+    """Flatten `batch` into token ids, positions and attention layout on `device` (a batch
+    that verifies drafts as `verify_rows` lays it out: one row per verified token)."""
+    seqs = batch.seqs
+    if batch.num_draft_tokens:
+        flat = verify_rows(batch)
+        seqs, starts, q_lens = flat.seqs, flat.starts, flat.num_scheduled_tokens
+        token_ids = list(itertools.chain.from_iterable(flat.token_ids))
+    else:
+        starts = [seq.num_computed_tokens for seq in seqs]
+        q_lens = batch.num_scheduled_tokens
+        token_ids = list(
+            itertools.chain.from_iterable(
+                seq.token_ids(s, s + n) for seq, s, n in zip(seqs, starts, q_lens, strict=True)
+            )
         )
-    )
+    ctx_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
     bs = block_size
     widths = [blocks_for(c, bs) for c in ctx_lens]
     width = max(widths)
-    tables = [
-        seq.block_table[:w] + [0] * (width - w) for seq, w in zip(batch.seqs, widths, strict=True)
-    ]
+    tables = [seq.block_table[:w] + [0] * (width - w) for seq, w in zip(seqs, widths, strict=True)]
     cu_seqlens_q = torch.tensor(list(itertools.accumulate(q_lens, initial=0)))  # (B + 1,)
     block_tables = torch.tensor(tables)  # (B, width)
     seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))  # (N,)

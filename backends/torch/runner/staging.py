@@ -26,6 +26,7 @@ step after next (CPU) or the next step (a device buffer).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 
 from backends.torch.attention.base import BatchLayout
 from backends.torch.runner.inputs import ModelInput
+from backends.torch.runner.verify_rows import verify_rows
 from schedulers import defaults
 from schedulers.batch import Batch
 from schedulers.sequence import Sequence
@@ -164,14 +166,26 @@ class InputStager:
         `rows`: the sequences sampled from (None: all). `pad_to`: rows to pad the batch to with
         scratch sequences (CUDA graphs; every row then gives logits). `full_width`: block
         tables `max_blocks_per_seq` wide (a CUDA graph's fixed shape) instead of the batch's
-        widest.
+        widest. A batch that verifies drafts is staged as `verify_rows` lays it out (a row
+        per verified token; logits at every position of the rows sampled from).
         """
-        bs, seqs = self.block_size, batch.seqs
+        if batch.num_draft_tokens:
+            flat = verify_rows(batch, rows)
+            seqs, scheduled, rows = flat.seqs, flat.num_scheduled_tokens, flat.logits_rows
+            starts = np.asarray(flat.starts, np.int64)
+            chunks: Iterable[list[int]] = flat.token_ids
+        else:
+            seqs, scheduled = batch.seqs, batch.num_scheduled_tokens
+            starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+            chunks = (
+                s.token_ids(a, a + n)
+                for s, a, n in zip(seqs, starts.tolist(), scheduled, strict=True)
+            )
+        bs = self.block_size
         num_seqs = len(seqs)
         num_rows = num_seqs if pad_to is None else max(pad_to, num_seqs)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
         q_lens = np.ones(num_rows, np.int64)
-        q_lens[:num_seqs] = batch.num_scheduled_tokens
+        q_lens[:num_seqs] = scheduled
         ctx_lens = q_lens.copy()
         ctx_lens[:num_seqs] += starts
         num_tokens = int(q_lens.sum())
@@ -207,12 +221,7 @@ class InputStager:
         tables[num_seqs:] = self.scratch_block
         real_tokens = int(cu[num_seqs])
         views.input_ids[:real_tokens] = np.fromiter(
-            itertools.chain.from_iterable(
-                s.token_ids(a, a + n)
-                for s, a, n in zip(seqs, starts.tolist(), batch.num_scheduled_tokens, strict=True)
-            ),
-            np.int64,
-            real_tokens,
+            itertools.chain.from_iterable(chunks), np.int64, real_tokens
         )
         views.input_ids[real_tokens:] = 0
         seq_of_token = np.repeat(np.arange(num_rows), q_lens)

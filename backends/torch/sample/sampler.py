@@ -175,7 +175,14 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Draw one token id per row of `logits` [R, V] (all rows have temperature > 0)."""
-        params = [seq.sampling_params for seq in seqs]
+        probs = self.target_probs(logits, [seq.sampling_params for seq in seqs])
+        uniforms = [self._uniform(seq) for seq in seqs]
+        return _inverse_cdf(probs, uniforms)
+
+    def target_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution [R, V] each row draws from: `logits` (after bias, penalties and
+        the grammar; rows with temperature > 0) divided by the temperature, top-k, top-p and
+        min-p applied, softmaxed. What the rejection sampler verifies drafts against."""
         temperature = _column([p.temperature for p in params], logits)
         logits = logits / temperature  # [R, V]
         floors = []
@@ -185,8 +192,22 @@ class Sampler:
             floors.append(_min_p_floor(logits, params))
         for floor in floors:
             logits.masked_fill_(logits < floor, -math.inf)
-        uniforms = [self._uniform(seq) for seq in seqs]
-        return _inverse_cdf(logits.softmax(dim=-1), uniforms)
+        return logits.softmax(dim=-1)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax [R] (the kernel's where it runs), as greedy rows take it."""
+        return self._argmax(logits)
+
+    def generator(self, seq: Sequence) -> torch.Generator:
+        """`seq`'s own generator (created and seeded on first use)."""
+        return self._generator(seq)
+
+    def biased(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """A float32 copy of `logits` [R, V] cut to the vocabulary, each row's `logit_bias`
+        added: steps 1-3b for rows without penalties or a grammar (a verifying row's)."""
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)
+        _apply_logit_bias(logits, params)
+        return logits
 
     def _uniform(self, seq: Sequence) -> float:
         """The next draw in [0, 1) from the sequence's generator."""

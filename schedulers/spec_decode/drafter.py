@@ -1,0 +1,91 @@
+"""The scheduler's side of speculative decoding in one object: drafts into a step, and what
+verification says back.
+
+Every policy calls it the same way (schedulers/base.py): once its own `_schedule` has filled
+the batch, `add_drafts` gives each decoding row its draft tokens (as vLLM's scheduler does,
+at schedule time, so the token budget sees them); after the step, `observe` feeds each
+verified row's acceptance to the draft policy and the counters; `release` forgets a finished
+sequence. Drafts take only what the policy left: the token budget after every row's own
+tokens (prefill chunks included) and free KV blocks (a row that cannot get blocks for its
+drafts verifies fewer or none; nothing is preempted for a draft). A row drafts only when it
+decodes, has no output grammar and no penalties (whose counts would move within the step).
+"""
+
+from __future__ import annotations
+
+from schedulers.batch import Batch
+from schedulers.block_manager import BlockManager
+from schedulers.sequence import Sequence
+from schedulers.spec_decode.budget import allot_drafts, draft_room
+from schedulers.spec_decode.config import SpeculativeConfig
+from schedulers.spec_decode.ngram import NgramProposer
+from schedulers.spec_decode.policy import DraftPolicy, draft_policy
+from schedulers.spec_decode.stats import SpecDecodingStats
+
+
+class Drafter:
+    """Drafts for one scheduler's steps (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.policy: DraftPolicy = draft_policy(config)
+        self.proposer = NgramProposer.from_config(config)
+        self.stats = SpecDecodingStats(config.num_speculative_tokens)
+
+    def add_drafts(
+        self, batch: Batch, block_manager: BlockManager, token_budget: int, max_model_len: int
+    ) -> None:
+        """Give `batch`'s decoding rows their drafts under `token_budget` (the step's whole
+        budget) and the free KV blocks, allocating the blocks they need."""
+        rows = [i for i in range(len(batch.seqs)) if _decodes(batch, i)]
+        if not self.policy.begin_step(len(rows)):
+            return
+        spare = token_budget - batch.total_tokens
+        if spare <= 0:
+            return
+        proposals: list[tuple[int, list[int]]] = []
+        for i in rows:
+            seq = batch.seqs[i]
+            if not may_draft(seq):
+                continue
+            k = min(self.policy.draft_len(seq.seq_id), draft_room(seq, max_model_len))
+            drafts = self.proposer.propose(seq, k)
+            if drafts:
+                proposals.append((i, drafts))
+        granted = allot_drafts([len(drafts) for _, drafts in proposals], spare)
+        for (i, drafts), count in zip(proposals, granted, strict=True):
+            seq = batch.seqs[i]
+            count = min(count, _kv_room(seq, block_manager))
+            if count:
+                block_manager.allocate(seq, seq.num_computed_tokens + 1 + count)
+                batch.add_drafts(i, drafts[:count])
+
+    def observe(self, seq_id: int, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verified row: `num_accepted` of its `num_draft_tokens` drafts."""
+        self.policy.observe(seq_id, num_draft_tokens, num_accepted)
+        self.stats.observe(num_draft_tokens, num_accepted)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished sequence."""
+        self.policy.release(seq_id)
+        self.proposer.release(seq_id)
+
+
+def may_draft(seq: Sequence) -> bool:
+    """Whether `seq` may ever verify drafts: no output grammar (its drafts would need the
+    grammar advanced through them) and no penalties (they count the tokens before each
+    position, which a draft would change within the step)."""
+    return seq.grammar is None and not seq.sampling_params.has_penalties
+
+
+def _decodes(batch: Batch, i: int) -> bool:
+    """Whether row `i` computes just its sequence's last sampled token."""
+    seq = batch.seqs[i]
+    own = seq.num_tokens - seq.num_computed_tokens
+    return own == 1 and batch.num_scheduled_tokens[i] == 1 and seq.num_output_tokens > 0
+
+
+def _kv_room(seq: Sequence, block_manager: BlockManager) -> int:
+    """The most drafts `seq`'s blocks and the free ones can hold after its own token."""
+    slots = (len(seq.block_table) + block_manager.num_free_blocks) * block_manager.block_size
+    return max(0, slots - seq.num_computed_tokens - 1)
