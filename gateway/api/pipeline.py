@@ -252,14 +252,15 @@ def sampling_params(
         raise invalid(str(exc), param) from None
 
 
-async def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of `text` (no special tokens added: templates already hold them)."""
+async def encode(tokenizer: Any, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; special tokens (a BOS) added only where asked: a chat template
+    already holds them, a completions prompt does not (vLLM's `add_special_tokens`)."""
     if len(text) > _THREAD_TOKENIZE_CHARS:
         ids = await anyio.to_thread.run_sync(
-            lambda: tokenizer.encode(text, add_special_tokens=False)
+            lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens)
         )
     else:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return list(ids)
 
 

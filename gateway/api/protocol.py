@@ -161,6 +161,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+    #: vLLM's extension: the tokenizer's special tokens (a BOS, as HF `generate` callers and
+    #: llama.cpp add) around a text prompt; token-id prompts are taken as they are
+    add_special_tokens: bool = True
 
     @field_validator("prompt")
     @classmethod

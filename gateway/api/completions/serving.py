@@ -43,11 +43,13 @@ def check_unsupported(request: CompletionRequest) -> None:
 
 async def tokenize_prompts(runtime: EngineRuntime, request: CompletionRequest) -> list[list[int]]:
     """The prompt as token id lists, whichever of the four OpenAI forms it came in."""
-    prompt = request.prompt
+    prompt, special = request.prompt, request.add_special_tokens
     if isinstance(prompt, str):
-        prompts = [await encode(runtime.tokenizer, prompt)]
+        prompts = [await encode(runtime.tokenizer, prompt, add_special_tokens=special)]
     elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [await encode(runtime.tokenizer, str(p)) for p in prompt]
+        prompts = [
+            await encode(runtime.tokenizer, str(p), add_special_tokens=special) for p in prompt
+        ]
     elif prompt and all(isinstance(p, list) for p in prompt):
         prompts = [list(p) for p in prompt if isinstance(p, list)]
     else:
