@@ -25,6 +25,7 @@ from gateway.arms.local import LocalArm
 from gateway.settings.load import Settings
 from schedulers.base import SchedulerConfig
 from tests import parallel
+from tests.background_builds import avx2_build_in_background
 
 SIM_MODEL = "sim-model"
 #: a minimal valid chat body for the simulator server
@@ -41,6 +42,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     parallel.mark_timed_tests_serial(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` handing out the longest files first and those with `serial` tests
+    last (tests/file_order.py)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from tests.file_order import LongestFilesFirst
+
+    return LongestFilesFirst(config, log)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -210,12 +222,16 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_kernels_built() -> None:
+def cpu_kernels_built(request: pytest.FixtureRequest) -> Iterator[None]:
     """Carousel's CPU kernels built (or found) before any test starts a server, as before
     issue 52: a server that finds them missing serves on torch's ops and builds them in the
     background, whose compilers a test that stops its server would leave running
     (tests/test_kernel_switch.py tests that path with backends of its own). Under xdist each
-    worker asks; the build's lock lets one build and the other import it."""
+    worker asks; the build's lock lets one build and the other import it. Then the AVX2
+    build, where the session runs its test, starts in the background
+    (tests/background_builds.py)."""
     from backends.torch import kernels
 
     kernels.native()
+    with avx2_build_in_background(request.session.items):
+        yield

@@ -79,6 +79,19 @@ def unconfigure(config: pytest.Config) -> None:
     _role = None
 
 
+def claim(name: str) -> bool:
+    """Whether this process is the first of the run's workers to claim `name` (a job one of
+    them starts for all); outside xdist, always."""
+    folder = os.environ.get(LOCK_DIR_ENV)
+    if _role != "worker" or not folder:
+        return True
+    try:
+        os.close(os.open(Path(folder) / f"claimed-{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def mark_timed_tests_serial(items: list[pytest.Item]) -> None:
     """Tests that use a timing fixture are `serial` without having to say so."""
     for item in items:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import jsonschema
 import pytest
@@ -141,40 +142,57 @@ def test_chunked_prefill_and_preemption_keep_greedy_outputs(
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("scheduler", ["orca", "static"])
-def test_default_model_batched_greedy_equals_hf_generate(
-    scheduler: str, engine_path: EnginePath
-) -> None:
-    backend = TorchBackend.load(
+DEFAULT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain briefly why each is prime.",
+    "Hi",
+]
+DEFAULT_MAX_TOKENS = [12, 24, 32, 8]
+
+
+def load_default_model(**engine: Any) -> TorchBackend:
+    """The default model in fp32 on the engine path `engine` names."""
+    return TorchBackend.load(
         "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512,
-        quantization="none", **engine_path.kwargs(),
+        quantization="none", **engine,
     )  # fmt: skip
-    tokenizer = backend.tokenizer
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about the sea.",
-        "List three prime numbers and explain briefly why each is prime.",
-        "Hi",
-    ]
-    prompts_ = [
+
+
+def chat_prompts(tokenizer: Any, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat, rendered and tokenized by the model's template."""
+    rendered = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
         )
         for q in questions
     ]
-    prompts_ = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts_]
-    max_tokens = [12, 24, 32, 8]
-    model = backend.hf_model
-    expected_ = []
-    for prompt, m in zip(prompts_, max_tokens, strict=True):
-        input_ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=m,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
-        expected_.append(out[0, len(prompt) :].tolist())
+    return [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in rendered]
+
+
+@pytest.fixture(scope="module")
+def default_model_expected() -> tuple[list[list[int]], list[list[int]]]:
+    """The default model's prompts and what HF `generate` (HF's own modules) gives each alone:
+    the same for every engine path, so computed once per module (9 s of each test, else)."""
+    backend = load_default_model()
+    prompts_ = chat_prompts(backend.tokenizer, DEFAULT_QUESTIONS)
+    expected_ = [
+        hf_greedy(backend.hf_model, p, m) for p, m in zip(prompts_, DEFAULT_MAX_TOKENS, strict=True)
+    ]
+    return prompts_, expected_
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("scheduler", ["orca", "static"])
+def test_default_model_batched_greedy_equals_hf_generate(
+    scheduler: str,
+    engine_path: EnginePath,
+    default_model_expected: tuple[list[list[int]], list[list[int]]],
+) -> None:
+    backend = load_default_model(**engine_path.kwargs())
+    prompts_, expected_ = default_model_expected
+    assert chat_prompts(backend.tokenizer, DEFAULT_QUESTIONS) == prompts_
+    max_tokens = DEFAULT_MAX_TOKENS
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=512)
     with LLM(backend, scheduler, config) as llm:
@@ -231,19 +249,9 @@ def test_greedy_outputs_unchanged_beside_constrained_requests(
 
 @pytest.mark.real_model
 def test_default_model_greedy_unchanged_beside_constrained_requests() -> None:
-    backend = TorchBackend.load(
-        "default", device="cpu", dtype="float32", kv_cache_gb=0.25, max_model_len=512,
-        quantization="none",
-    )  # fmt: skip
-    tokenizer = backend.tokenizer
+    backend = load_default_model()
     questions = ["What is the capital of France?", "Name a prime number.", "Hi"]
-    rendered = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )
-        for q in questions
-    ]
-    prompts_ = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in rendered]
+    prompts_ = chat_prompts(backend.tokenizer, questions)
     max_tokens = [12, 10, 8]
     expected_ = [
         hf_greedy(backend.hf_model, p, m) for p, m in zip(prompts_, max_tokens, strict=True)

@@ -47,7 +47,7 @@ callers keep torch's own kernels.
 `cpu_kernels_ready` logs the instruction set built and whether AMX is used.
 `CAROUSEL_CPU_KERNELS=avx2` builds the AVX2 implementation on any CPU with AVX2, FMA and F16C,
 AVX-512 ones included: to compare the two builds, and so that the suite checks the AVX2 one
-wherever it runs (tests/test_cpu_kernels.py).
+wherever it runs (tests/test_cpu_kernels_avx2.py).
 
 An image builds them at build time (Dockerfile, the `cpu-kernels` stage: the compiler stays
 in that stage) into `$CAROUSEL_CPU_KERNELS_PREBUILT/<digest>/`, which `native()` imports
