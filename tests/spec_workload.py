@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import random
 
-import torch
 from transformers import PreTrainedModel
 
 from backends.torch.testing.tiny_models import VOCAB
 from schedulers.spec_decode.config import SpeculativeConfig
+from tests.test_oracle import hf_greedy
 
 #: k = 3 drafts after any earlier match of the last 1 to 3 tokens
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -24,22 +24,6 @@ SPANS = ((3, 8), (5, 5), (2, 10))
 ECHO_SEEDS = (5, 7)
 MAX_TOKENS = [40, 24, 30, 28, 20, 12]
 DELAYS_S = [0.0, 0.0, 0.01, 0.02, 0.03, 0.05]
-
-
-def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """What `generate` gives this prompt alone, EOS ignored."""
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def spec_prompts(model: PreTrainedModel, seed: int = 7) -> list[list[int]]:

@@ -25,7 +25,8 @@ from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
 from tests.attention_fixture import EnginePath, engine_path_fixture  # noqa: F401
-from tests.spec_workload import DELAYS_S, MAX_TOKENS, SPEC, hf_greedy, spec_prompts
+from tests.spec_workload import DELAYS_S, MAX_TOKENS, SPEC, spec_prompts
+from tests.test_oracle import hf_greedy
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
