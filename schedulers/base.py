@@ -288,50 +288,27 @@ class Scheduler(abc.ABC):
         """Fill `batch`, allocating KV blocks for every scheduled token."""
 
     def update(self, batch: Batch, output: ExecuteOutput) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, finish and free; return finished."""
-        if batch.num_draft_tokens:
-            return self._update_verified(batch, output)
-        finished: list[Sequence] = []
-        now = self.clock()
-        for seq, num_tokens in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
-            if seq.is_finished:  # aborted while the step ran
-                continue
-            seq.num_computed_tokens += num_tokens
-            self.block_manager.cache_full_blocks(seq)
-            sampled = output.sampled.get(seq.seq_id)
-            if sampled is None:
-                continue
-            seq.output_token_ids.append(sampled.token_id)
-            seq.output_logprobs.append(sampled)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            error = self._advance_grammar(seq, sampled.token_id)
-            reason = FinishReason.ERROR if error is not None else self.stop_reason(seq)
-            if reason is not None:
-                self.running.remove(seq)
-                self.finish(seq, reason, error)
-                finished.append(seq)
-        return finished
+        """Advance computed counts, append sampled tokens, finish and free; return finished.
 
-    def _update_verified(self, batch: Batch, output: ExecuteOutput) -> list[Sequence]:
-        """`update` of a step that verified drafts: a verifying row's rejected drafts are not
-        computed (`num_computed_tokens` counts its own token, then one more per emitted token
-        after the first: each is an accepted draft whose KV the step wrote), its emitted
-        tokens are appended one at a time, each checked as a sampled token is, and those
-        after the one that finished it are dropped (`output.verified` cut to match). Blocks
-        are registered after that, so only real tokens' blocks are hashed."""
-        assert self.drafter is not None
+        A row that verified drafts: its rejected drafts are not computed (`num_computed_tokens`
+        counts its own token, then one more per emitted token after the first: each is an
+        accepted draft whose KV the step wrote), its emitted tokens are appended one at a
+        time, each checked as a sampled token is, and those after the one that finished it
+        are dropped (`output.verified` cut to match). Blocks are registered after the append
+        (only computed slots are hashed, so only real tokens' blocks ever are)."""
         finished: list[Sequence] = []
         now = self.clock()
+        drafted = batch.draft_token_ids
         for i, (seq, num_tokens) in enumerate(
             zip(batch.seqs, batch.num_scheduled_tokens, strict=True)
         ):
             if seq.is_finished:  # aborted while the step ran
                 continue
-            drafts = batch.draft_token_ids.get(i, ())
+            drafts = drafted.get(i, ()) if drafted else ()
             seq.num_computed_tokens += num_tokens - len(drafts)
-            tokens = output.verified.get(seq.seq_id)
+            tokens = output.verified.get(seq.seq_id) if drafts else None
             if tokens is not None:
+                assert self.drafter is not None
                 self.drafter.observe(seq.seq_id, len(drafts), len(tokens) - 1)
             else:
                 sampled = output.sampled.get(seq.seq_id)

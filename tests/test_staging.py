@@ -6,6 +6,7 @@ padded rows only ever point at the scratch KV block."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import torch
 from hypothesis import given, settings
@@ -75,6 +76,15 @@ class Driver:
             batch.add(seq, n)
         return batch
 
+    def batches(self, steps: int) -> Iterator[Batch]:
+        """Each non-empty batch of up to `steps` steps, until every sequence has finished."""
+        for iteration in range(steps):
+            batch = self.step(iteration)
+            if not batch.is_empty:
+                yield batch
+            elif not self.running and not self.waiting:
+                return
+
     def update(self, batch: Batch) -> None:
         for i, seq in enumerate(batch.seqs):
             level = batch.samples_after(i)
@@ -97,12 +107,7 @@ def test_staged_inputs_equal_prepare_inputs(seed: int, block_size: int, num_seqs
     rng = random.Random(seed)
     driver = Driver(rng, block_size, num_seqs)
     stager = InputStager(block_size, 4, NUM_BLOCKS, CPU, token_capacity=8, max_num_seqs=2)
-    for iteration in range(40):
-        batch = driver.step(iteration)
-        if batch.is_empty:
-            if not driver.running and not driver.waiting:
-                break
-            continue
+    for batch in driver.batches(40):
         assert_same_input(stager.stage(batch), batch, block_size)
         driver.update(batch)
         for seq in batch.seqs:
@@ -188,12 +193,7 @@ def test_a_step_verifying_drafts_is_staged_one_row_per_verified_token(
     driver = DraftDriver(rng, block_size, 5)
     stager = InputStager(block_size, 4, NUM_BLOCKS, CPU, token_capacity=8, max_num_seqs=2)
     verified = 0
-    for iteration in range(40):
-        batch = driver.step(iteration)
-        if batch.is_empty:
-            if not driver.running and not driver.waiting:
-                break
-            continue
+    for batch in driver.batches(40):
         rows = [i for i in range(len(batch.seqs)) if batch.samples_after(i)]
         staged = stager.stage(batch, rows)
         assert_same_input(staged, batch, block_size)
