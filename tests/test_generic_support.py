@@ -161,7 +161,7 @@ def test_the_backend_builds_the_model_of_the_chosen_path() -> None:
 @pytest.mark.parametrize(
     "fields",
     [{"compile": True}, {"native_layers": True}, {"quantization": "int8"},
-     {"tensor_parallel_size": 2}, {"batch_invariant": True}],
+     {"batch_invariant": True}],
     ids=lambda f: next(iter(f)),
 )  # fmt: skip
 def test_the_generic_path_refuses_what_it_cannot_honour(fields: dict[str, Any]) -> None:
@@ -169,9 +169,17 @@ def test_the_generic_path_refuses_what_it_cannot_honour(fields: dict[str, Any]) 
     assert TorchBackendConfig.unhonoured({"model_impl": "transformers", **fields}) == [name]
     with pytest.raises(ValueError, match=rf"generic \(transformers\) .* cannot honour {name}\b"):
         TorchBackendConfig(model_impl="transformers", **fields)
-    if name != "tensor_parallel_size":  # `auto` choosing the generic path, at build
-        with pytest.raises(ValueError, match=rf"cannot honour {name}\b"):
-            backend("gemma3", generic=True, **fields)
+    with pytest.raises(ValueError, match=rf"cannot honour {name}\b"):  # `auto` chose it
+        backend("gemma3", generic=True, **fields)
+
+
+def test_the_generic_path_takes_tensor_parallelism() -> None:
+    """Whether a model's own plan can split it is asked at load (tests/test_generic_tp.py)."""
+    assert (
+        TorchBackendConfig.unhonoured({"model_impl": "transformers", "tensor_parallel_size": 2})
+        == []
+    )
+    TorchBackendConfig(model_impl="transformers", tensor_parallel_size=2)
 
 
 def test_the_gateway_refuses_them_at_start_up(capsys: pytest.CaptureFixture[str]) -> None:

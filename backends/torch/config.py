@@ -37,7 +37,9 @@ kernels only, `quantization` `auto` serving `none` (docs/batch-invariance.md).
 `transformers`, the generic path (generic/): the model's own transformers code over the paged
 KV cache, only attention going to the attention backends; `auto`, native where a family
 implements the class, else generic. The generic path runs no compiled layer, native stack,
-quantised linears, tensor parallelism or batch invariance, and refuses them by name.
+quantised linears or batch invariance, and refuses them by name; its tensor parallelism cuts
+the model by the config's own `base_model_tp_plan` (parallel/tp_plan.py, which refuses, at
+load, a model whose plan cannot split it).
 """
 
 from __future__ import annotations
@@ -175,12 +177,12 @@ def _refused_by_tensor_parallel(values: Mapping[str, Any]) -> list[str]:
 
 def _refused_by_generic(values: Mapping[str, Any]) -> list[str]:
     """What the generic path cannot run: the compiled layer, the native stack (asked for by
-    True), quantised linears, tensor parallelism and batch invariance."""
+    True), quantised linears and batch invariance (tensor parallelism runs: whether a model's
+    plan can split it is asked at load, parallel/tp_plan.py)."""
     named = {
         "compile": values["compile"],
         "native_layers": values["native_layers"] is True,
         "quantization": values["quantization"] in QUANTIZED,
-        "tensor_parallel_size": values["tensor_parallel_size"] > 1,
         "batch_invariant": values["batch_invariant"],
     }
     return [name for name, refused in named.items() if refused]

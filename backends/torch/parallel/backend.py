@@ -10,7 +10,9 @@ scheduler, the block manager and the sampler exist on rank 0 only.
 
 takes the `TorchBackendConfig` (or its fields) `TorchBackend.load` takes, whole: each rank
 receives it as is. A size that cannot split the model is refused before any process
-starts, naming the valid sizes; a setting the ranks cannot honour is refused by the config.
+starts, naming the valid sizes (on the generic path, `model_impl`: naming why the model's
+`base_model_tp_plan` cannot cut it, tp_plan.py); a setting the ranks cannot honour is refused
+by the config.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from backends.torch.config import TorchBackendConfig
+from backends.torch.config import TRANSFORMERS, TorchBackendConfig
+from backends.torch.generic.support import check_model
 from backends.torch.loader import is_hf_dir, resolve_model
-from backends.torch.models import architecture_of, check_architecture
+from backends.torch.models import architecture_of
 from backends.torch.parallel.channel import Kind
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
 from backends.torch.parallel.rank import LoadSpec, RankBackend
 from backends.torch.parallel.rendezvous import DEFAULT_TIMEOUT_S
 from backends.torch.parallel.sizes import ModelDims, check_tensor_parallel_size
 from backends.torch.parallel.step import FlatStep
+from backends.torch.parallel.tp_plan import choose_split
 from backends.torch.runner.backend import resolve_device, with_fields
 from schedulers.backend import Backend, BackendDeadError, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
@@ -67,8 +71,11 @@ class TensorParallelBackend(Backend):
         if not is_hf_dir(Path(source)):
             source = download(source)
         hf_config = AutoConfig.from_pretrained(source)
-        check_architecture(architecture_of(hf_config))
-        check_tensor_parallel_size(ModelDims.of(hf_config), config.tensor_parallel_size)
+        if check_model(hf_config, architecture_of(hf_config), config.model_impl) == TRANSFORMERS:
+            config.check_generic()
+            choose_split(hf_config, config.tensor_parallel_size)  # the model's own TP plan
+        else:
+            check_tensor_parallel_size(ModelDims.of(hf_config), config.tensor_parallel_size)
         tokenizer = AutoTokenizer.from_pretrained(source)
         device_type = resolve_device(config.device).type
         group = acquire_group(config.tensor_parallel_size, device_type, timeout_s=timeout_s)

@@ -15,11 +15,15 @@ are built with these collectives in place: linears.py):
   into `[B, V]` (the sampler runs there only).
 
 That is 2 all-reduces per layer, plus one for the embedding and one gather, per step.
+
+On the generic path (the model's own transformers code, tp_plan.py) the HF modules stay as
+they are: `all_reduce_output`, a forward hook on each rowwise module, sums its partial output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +80,12 @@ class VocabParallelEmbedding:
         hidden.masked_fill_(outside[:, None], 0.0)
         dist.all_reduce(hidden)
         return hidden
+
+
+def all_reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: the module's partial product summed over the ranks, in place."""
+    dist.all_reduce(output)
+    return output
 
 
 class RankPlacement:

@@ -4,6 +4,11 @@ Each rank builds one from its own shard (shard.py): a `TorchBackend` whose HF mo
 local sizes, so its paged forward and its KV cache cover only the rank's own heads, with the
 collectives installed (layers.py). The block ids rank 0's scheduler hands out index every
 rank's cache alike: the ranks agree on the number of blocks when they build (`build`).
+
+A model on the generic path (`model_impl`, generic/) is cut by its own `base_model_tp_plan`
+(tp_plan.py, generic_shard.py) instead of a family's rules, and its rowwise modules get an
+all-reduce hook once the backend is built (the probe forward of the build runs without them,
+so no rank ever waits in a collective while another is still loading).
 """
 
 from __future__ import annotations
@@ -17,16 +22,20 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, PreTrainedModel
 
-from backends.torch.config import TorchBackendConfig
+from backends.torch.config import TRANSFORMERS, TorchBackendConfig
+from backends.torch.generic.support import resolve_model_impl
 from backends.torch.kv_cache import KVLayout, kv_budget_bytes, plan_num_blocks
 from backends.torch.loader import config_dtype
-from backends.torch.models import weights_of
+from backends.torch.models import architecture_of
 from backends.torch.parallel.channel import Channel
-from backends.torch.parallel.layers import RankPlacement
+from backends.torch.parallel.generic_shard import load_generic_shard
+from backends.torch.parallel.layers import RankPlacement, all_reduce_output
 from backends.torch.parallel.shard import load_shard
 from backends.torch.parallel.sizes import ModelDims, ShardPlan
 from backends.torch.parallel.step import FlatStep
+from backends.torch.parallel.tp_plan import GenericPlan
 from backends.torch.runner.backend import TorchBackend, resolve_dtype
+from backends.torch.runner.model_impl import ModelBuilder
 from schedulers.batch import Batch
 
 
@@ -48,7 +57,7 @@ class RankBackend(TorchBackend):
         tokenizer: Any,
         config: TorchBackendConfig,
         *,
-        plan: ShardPlan,
+        plan: ShardPlan | GenericPlan,
         num_blocks: int,
         device: torch.device,
     ) -> None:
@@ -60,9 +69,12 @@ class RankBackend(TorchBackend):
         # never run as one native call (config.py refuses native_layers=True)
         own = dataclasses.replace(config, device=str(device), native_layers=False)
         super().__init__(model, tokenizer, own)
+        if isinstance(plan, GenericPlan):  # NOTE: after the build's probe forward (module doc)
+            for module in plan.rowwise_modules(model):
+                module.register_forward_hook(all_reduce_output)
 
-    def _placement(self) -> RankPlacement:
-        return RankPlacement(self.plan)
+    def _placement(self) -> RankPlacement | None:
+        return RankPlacement(self.plan) if isinstance(self.plan, ShardPlan) else None
 
     def _num_kv_blocks(self, layout: KVLayout, budget: int, max_num_seqs: int) -> int:
         return self._num_blocks
@@ -84,13 +96,18 @@ class RankBackend(TorchBackend):
         """
         rank, world = dist.get_rank(), dist.get_world_size()
         shard: Any = None
-        plan: ShardPlan | None = None
+        plan: ShardPlan | GenericPlan | None = None
         try:
             hf_config = AutoConfig.from_pretrained(spec.model_dir)
-            plan = ShardPlan(ModelDims.of(hf_config), rank, world)
+            impl = resolve_model_impl(spec.config.model_impl, architecture_of(hf_config))
             dtype = resolve_dtype(spec.config.dtype, device, config_dtype(hf_config))
-            shard = load_shard(spec.model_dir, plan, dtype, str(device))
-            blocks = _kv_blocks_that_fit(shard, spec.config, device, dtype)
+            if impl == TRANSFORMERS:
+                plan = GenericPlan.of(hf_config, rank, world)
+                shard = load_generic_shard(spec.model_dir, plan, dtype, str(device))
+            else:
+                plan = ShardPlan(ModelDims.of(hf_config), rank, world)
+                shard = load_shard(spec.model_dir, plan, dtype, str(device))
+            blocks = _kv_blocks_that_fit(shard, impl, spec.config, device, dtype)
             status: tuple[int, str | None] = (blocks, None)
         except Exception as exc:
             status = (0, f"rank {rank}: {exc!r}")
@@ -142,17 +159,18 @@ class RankBackend(TorchBackend):
 
 
 def _kv_blocks_that_fit(
-    shard: Any, config: TorchBackendConfig, device: torch.device, dtype: torch.dtype
+    shard: Any, impl: str, config: TorchBackendConfig, device: torch.device, dtype: torch.dtype
 ) -> int:
-    """The KV blocks this rank's budget holds for its own KV heads (as TorchBackend plans)."""
-    hf_config = shard.config
+    """The KV blocks this rank's budget holds for its own KV heads (as TorchBackend plans:
+    the layers' specs of path `impl`, the generic path's from a probe of the rank's model)."""
+    specs = ModelBuilder.of(shard, impl).specs
     layout = KVLayout(
-        num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=weights_of(shard).layers[0].spec.head_dim,
+        num_layers=len(specs),
+        num_kv_heads=specs[0].num_kv_heads,
+        head_dim=specs[0].head_dim,
         block_size=config.block_size,
         dtype=dtype,
     )
     budget = kv_budget_bytes(device, config.kv_cache_gb, config.kv_cache_fraction)
-    max_model_len = config.max_model_len or hf_config.max_position_embeddings
+    max_model_len = config.max_model_len or shard.config.max_position_embeddings
     return plan_num_blocks(layout, budget, max_model_len, config.max_num_seqs)

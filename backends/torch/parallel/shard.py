@@ -12,11 +12,15 @@ already has its shard's shape; its parameters are then read with `safe_open(...)
   intermediate columns; their biases (if any) are kept whole and added on rank 0 only
   (layers.py);
 - replicated: every norm (input/post-attention, final, Qwen3's per-head Q/K norms).
+
+The generic path's loader (generic_shard.py) cuts by the model's own `base_model_tp_plan`
+(tp_plan.py) through the same `read_shard`, `empty_model` and `finish_shard`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,10 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / _SINGLE for name in f.keys()}  # noqa: SIM118 - not a dict
 
 
+#: a rank's part of a checkpoint tensor: (name, whole shape) -> (dim, index range), None: whole
+Cut = Callable[[str, list[int]], "tuple[int, range] | None"]
+
+
 def shard_range(name: str, plan: ShardPlan, family: ArchitectureFamily) -> tuple[int, range] | None:
     """(dim, index range) of `name` this rank holds, None for a replicated tensor (by the
     family's rules, models/)."""
@@ -61,12 +69,11 @@ def shard_range(name: str, plan: ShardPlan, family: ArchitectureFamily) -> tuple
 def read_shard(
     files: dict[str, Path],
     names: list[str],
-    plan: ShardPlan,
-    family: ArchitectureFamily,
+    cut: Cut,
     dtype: torch.dtype,
     device: str,
 ) -> dict[str, torch.Tensor]:
-    """This rank's slice of each tensor in `names`, read from `files` (by name)."""
+    """This rank's slice (`cut`) of each tensor in `names`, read from `files` (by name)."""
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -74,8 +81,8 @@ def read_shard(
     for path, file_names in by_file.items():
         with safe_open(str(path), "pt", device=device) as f:
             for name in file_names:
-                part = shard_range(name, plan, family)
                 view = f.get_slice(name)
+                part = cut(name, list(view.get_shape()))
                 if part is None:
                     tensor = view[:]
                 elif part[0] == 0:
@@ -86,6 +93,17 @@ def read_shard(
     return out
 
 
+def empty_model(local_config: Any, dtype: torch.dtype) -> Any:
+    """The HF causal LM of `local_config`: parameters on the meta device, buffers real."""
+    with init_empty_weights():  # NOTE: parameters on the meta device, buffers (rotary) real
+        return AutoModelForCausalLM.from_config(local_config, dtype=dtype)
+
+
+def tied_head(config: Any, files: dict[str, Path]) -> bool:
+    """Whether the LM head is the embedding (tied, and not stored apart)."""
+    return bool(getattr(config, "tie_word_embeddings", False)) and "lm_head.weight" not in files
+
+
 def load_shard(
     model_dir: str | Path, plan: ShardPlan, dtype: torch.dtype, device: str = "cpu"
 ) -> PreTrainedModel:
@@ -94,17 +112,22 @@ def load_shard(
     config = AutoConfig.from_pretrained(model_dir)
     if ModelDims.of(config) != plan.dims:
         raise ValueError(f"{model_dir} does not have the dimensions the shard plan was made for")
-    with init_empty_weights():  # NOTE: parameters on the meta device, buffers (rotary) real
-        model: Any = AutoModelForCausalLM.from_config(plan.local_config(config), dtype=dtype)
+    model = empty_model(plan.local_config(config), dtype)
     files = weight_files(model_dir)
-    wanted = list(model.state_dict())
-    tied = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head.weight" not in files
-    names = [n for n in wanted if not (tied and n == "lm_head.weight")]
+    tied = tied_head(config, files)
+    names = [n for n in model.state_dict() if not (tied and n == "lm_head.weight")]
     missing = [n for n in names if n not in files]
     if missing:
         raise ValueError(f"{model_dir} lacks the tensors {missing[:4]}")
-    tensors = read_shard(files, names, plan, family_of(architecture_of(config)), dtype, device)
+    family = family_of(architecture_of(config))
+    tensors = read_shard(files, names, lambda n, _: shard_range(n, plan, family), dtype, device)
     model.load_state_dict(tensors, strict=False, assign=True)
+    return finish_shard(model, model_dir, tied, device)
+
+
+def finish_shard(model: Any, model_dir: Path, tied: bool, device: str) -> PreTrainedModel:
+    """`model` with its LM head tied (`tied`), on `device`, its generation config read, in
+    eval mode (ValueError where a parameter was left unset)."""
     if tied:  # the same vocabulary rows serve the embedding and the LM head
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     model.to(device)  # the rotary buffers

@@ -1,0 +1,164 @@
+"""Tensor parallelism on the generic path (CPU, gloo): TP = 2 greedy equals HF `generate`.
+
+Each model runs its own transformers code on two ranks, cut by its config's
+`base_model_tp_plan` (backends/torch/parallel/tp_plan.py): Gemma 3 (dense: sliding layers,
+per-head q/k norms, `(1 + w)` norms, a tied embedding) and Qwen3-MoE (a dense MLP layer split
+like Gemma's, then a sparse layer whose router and experts every rank holds whole). The
+workload is the generic oracle's (tests/test_generic_oracle.py): orca with a 16-token budget and
+chunked prefill, a KV cache for one 80-token context (so sequences are preempted), and a
+second turn served partly from the prefix cache; every step's block accounting is checked and
+every block is free at the end. One group of two ranks serves the module.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedModel
+
+from backends.torch.parallel.backend import TensorParallelBackend
+from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
+from backends.torch.parallel.tp_plan import choose_split
+from backends.torch.testing.tiny_generic import tiny_generic_model
+from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_tokenizer
+from schedulers.base import SchedulerConfig
+from schedulers.llm import LLM
+from tests.test_generic_oracle import (
+    SECOND_MAX_TOKENS,
+    assert_equal_with_a_hit,
+    second_turns,
+    two_phases,
+)
+from tests.test_oracle import DELAYS_S, MAX_TOKENS, hf_greedy, prompts
+from tests.test_prefix_cache_oracle import check_accounting_after_every_step
+
+#: one dense and one mixture-of-experts model whose plans split them
+ARCHS = ["gemma3", "qwen3_moe"]
+
+
+def saved_model(arch: str, folder: Path) -> PreTrainedModel:
+    """The tiny `arch` (EOS ignored), saved with the tiny tokenizer as an HF directory."""
+    model = tiny_generic_model(arch)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[TensorParallelGroup]:
+    group = acquire_group(2, "cpu")
+    yield group
+    release_group(group)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def saved(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[PreTrainedModel, Path]:
+    path = tmp_path_factory.mktemp(request.param)
+    return saved_model(request.param, path), path
+
+
+@pytest.fixture(scope="module")
+def expected(saved: tuple[PreTrainedModel, Path]) -> tuple[list[list[int]], list[list[int]]]:
+    model = saved[0]
+    phase1 = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS, strict=True)]
+    phase2 = [hf_greedy(model, p, SECOND_MAX_TOKENS) for p in second_turns(phase1)]
+    return phase1, phase2
+
+
+@pytest.fixture(scope="module")
+def tp_backend(
+    group: TensorParallelGroup, saved: tuple[PreTrainedModel, Path]
+) -> Iterator[TensorParallelBackend]:
+    # NOTE: `auto` takes the generic path for both classes; max_num_seqs 1 sizes the KV cache
+    # for one 80-token context
+    backend = TensorParallelBackend.load(
+        str(saved[1]), tensor_parallel_size=2, device="cpu", dtype="float32",
+        block_size=BLOCK_SIZE, max_model_len=80, max_num_seqs=1,
+    )  # fmt: skip
+    yield backend
+    backend.close()
+
+
+def test_tp2_orca_with_chunks_preemption_and_a_prefix_hit_equals_hf_generate(
+    tp_backend: TensorParallelBackend, expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    config = SchedulerConfig(
+        max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    llm = LLM(tp_backend, "orca", config)
+    errors = check_accounting_after_every_step(llm)
+    try:
+        first, second = two_phases(llm, [0.0] * len(DELAYS_S))
+    finally:
+        llm.close()
+    assert_equal_with_a_hit(first, second, expected)
+    assert not errors, errors[0]
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0
+    prefills = [r.num_prefill_tokens for r in engine.trace if r.num_prefill_tokens]
+    assert max(prefills) <= 16 < max(len(p) for p in prompts())  # the long prompts came in chunks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_each_rank_caches_its_own_kv_heads_and_holds_the_whole_vocabulary(
+    tp_backend: TensorParallelBackend,
+) -> None:
+    ranks = tp_backend.describe()
+    assert {r["num_blocks"] for r in ranks} == {tp_backend.kv_cache_spec.num_blocks}
+    # 4 query heads over 2 KV heads: each rank probes (and caches) its half; the embedding
+    # and the LM head are not in the plans, so every rank holds all 320 rows
+    assert [(r["num_heads"], r["num_kv_heads"], r["first_kv_head"]) for r in ranks] == [
+        (2, 1, 0),
+        (2, 1, 1),
+    ]
+    assert [r["vocab_rows"] for r in ranks] == [320, 320]
+
+
+@pytest.mark.parametrize(
+    ("arch", "size", "reason"),
+    [
+        ("phi3", 2, r"Phi3ForCausalLM .* base_model_tp_plan splits no weight"),
+        ("olmoe", 2, r"OlmoeForCausalLM .* base_model_tp_plan splits no weight"),
+        ("gemma3", 4, r"Gemma3ForCausalLM cannot run tensor_parallel_size 4 .* the 2 KV heads"),
+    ],
+)
+def test_a_plan_that_cannot_split_the_model_is_refused_before_any_process(
+    tmp_path: Path, arch: str, size: int, reason: str
+) -> None:
+    saved_model(arch, tmp_path)
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match=reason):
+        TensorParallelBackend.load(str(tmp_path), tensor_parallel_size=size, device="cpu")
+    assert multiprocessing.active_children() == before, "a refused model started processes"
+
+
+def test_the_local_config_divides_what_the_plan_splits() -> None:
+    """(heads, intermediate size): Mixtral's experts read `intermediate_size` and are whole."""
+    assert choose_split(tiny_generic_model("qwen3_moe").config, 2)[1] == (True, True)
+    assert choose_split(tiny_generic_model("mixtral").config, 2)[1] == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("plan", "reason"),
+    [
+        ({}, "its config has no base_model_tp_plan"),
+        (
+            {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"},
+            r"entry layers\.\*\.mlp\.experts\.gate_up_proj: packed_colwise is not one",
+        ),
+    ],
+)
+def test_a_plan_the_generic_path_cannot_run_is_refused_by_name(
+    plan: dict[str, str], reason: str
+) -> None:
+    config = tiny_generic_model("qwen3_moe").config
+    config.base_model_tp_plan = {**config.base_model_tp_plan, **plan} if plan else {}
+    with pytest.raises(ValueError, match=rf"^Qwen3MoeForCausalLM cannot run .*{reason}"):
+        choose_split(config, 2)
