@@ -4,7 +4,8 @@
         sdpa:attention_backend=sdpa paged:attention_backend=inductor_paged \
         compiled:attention_backend=inductor_paged,compile=true
 
-Each variant (`NAME:KEY=VALUE,...`, `TorchBackend` keyword arguments, as in roofline.py)
+Each variant (`NAME:KEY=VALUE,...`, `TorchBackend` keyword arguments, as in roofline.py, and
+`generic_fusion=false`: the generic path without its fused swaps, backends/torch/generic/)
 gets one batch of B sequences with 64-token prompts (scripts/bench_forward.py's
 `DecodeBatch`); the decode steps then go round-robin across the variants, so a load spike on
 a shared machine lands on all of them alike. Prints the median step of each (wall and
@@ -14,11 +15,14 @@ process CPU time) and its speed relative to the first variant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
@@ -26,7 +30,19 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_forward import DecodeBatch  # noqa: E402
 from roofline import parse_variant  # noqa: E402
 
+from backends.torch.generic import model as generic_model  # noqa: E402
 from backends.torch.runner.backend import TorchBackend  # noqa: E402
+
+
+@contextlib.contextmanager
+def generic_fusion(kwargs: dict[str, Any]) -> Iterator[None]:
+    """The variant's `generic_fusion` (taken out of `kwargs`) while its model is built."""
+    before = generic_model.FUSE
+    generic_model.FUSE = bool(kwargs.pop("generic_fusion", before))
+    try:
+        yield
+    finally:
+        generic_model.FUSE = before
 
 
 def main() -> None:
@@ -40,13 +56,15 @@ def main() -> None:
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     first_name, first_kwargs = variants[0]
-    base = TorchBackend.load("default", device="cpu", dtype=args.dtype, kv_cache_gb=0.6,
-                             max_model_len=512, **first_kwargs)  # fmt: skip
+    with generic_fusion(first_kwargs):
+        base = TorchBackend.load("default", device="cpu", dtype=args.dtype, kv_cache_gb=0.6,
+                                 max_model_len=512, **first_kwargs)  # fmt: skip
     backends = {first_name: base}
     for name, kwargs in variants[1:]:
-        backends[name] = TorchBackend.create(base.hf_model, base.tokenizer, device="cpu",
-                                      dtype=args.dtype, kv_cache_gb=0.6, max_model_len=512,
-                                      **kwargs)  # fmt: skip
+        with generic_fusion(kwargs):
+            backends[name] = TorchBackend.create(base.hf_model, base.tokenizer, device="cpu",
+                                          dtype=args.dtype, kv_cache_gb=0.6, max_model_len=512,
+                                          **kwargs)  # fmt: skip
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         runs = {
             n: DecodeBatch(b, batch, args.prompt_len, args.steps + 1) for n, b in backends.items()

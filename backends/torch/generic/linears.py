@@ -3,22 +3,23 @@
 On a CPU the native path's linears multiply through a prepacked copy of each weight (Carousel's
 kernels' or oneDNN's, layers/linear.py) for decode-sized steps; `F.linear` reorders the weight
 on every call. `PackedLinears` builds the same packed `Linear` for every plain `nn.Linear` of
-the HF model (cached on the module, so arms sharing the model share the copies) and swaps it in
-as the module's forward for the duration of a step, then gives the module back: the same HF
-model may run `generate`, or serve a native arm, between two steps. A step's rows outside the
-plan's window take `F.linear` as before. SmolLM2-135M, bf16, decode step at B = 64 on the
-2-core CPU (scripts/step_ab.py, one interleaved run): 88.8 ms without it, 73.0 ms with it,
-against the native path's 40.0 ms.
+the HF model that no fused swap computes (fusion.py: those run as fused siblings or inside a
+fused MLP), cached on the module, so arms sharing the model share the copies, and puts it
+in the step's swaps (swaps.py) as the module's forward: the same HF model may run `generate`,
+or serve a native arm, between two steps. A step's rows outside the plan's window take
+`F.linear` as before. SmolLM2-135M, bf16, decode step at B = 64 on the 2-core CPU
+(scripts/step_ab.py, one interleaved run, before fusion): 88.8 ms without it, 73.0 ms with
+it, against the native path's 40.0 ms.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
+from backends.torch.generic.swaps import StepSwaps, own_forward
 from backends.torch.layers.linear import Linear, PackPlan, cached_linear
 
 _KEY = "generic"
@@ -34,26 +35,20 @@ def _flat(linear: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class PackedLinears:
-    """Every plain `nn.Linear` of a model with its packed `Linear` (see the module)."""
+    """Every plain `nn.Linear` of a model but `skip` with its packed `Linear` (see the module)."""
 
-    def __init__(self, model: nn.Module, plan: PackPlan) -> None:
-        linears = [
+    def __init__(self, model: nn.Module, plan: PackPlan, skip: Collection[int] = ()) -> None:
+        self.linears = [
             (module, cached_linear(module, _KEY, module.weight, module.bias, plan))
             for module in model.modules()
-            if type(module) is nn.Linear
+            if type(module) is nn.Linear and id(module) not in skip and own_forward(module)
         ]
-        self.swaps = [(module, _flat(linear)) for module, linear in linears]
-        copies = {id(lin.packed): lin.packed for _, lin in linears if lin.packed is not None}
-        #: the packed copies' bytes (tied weights packed once per module that uses them)
-        self.packed_bytes = sum(c.numel() * c.element_size() for c in copies.values())
+        self.swaps = [(module, _flat(linear)) for module, linear in self.linears]
 
-    @contextlib.contextmanager
-    def swapped_in(self) -> Iterator[None]:
-        """The packed forwards for the block; the modules' own afterwards."""
+    def put_into(self, swaps: StepSwaps) -> None:
         for module, forward in self.swaps:
-            module.forward = forward  # type: ignore[method-assign, assignment]
-        try:
-            yield
-        finally:
-            for module, _ in self.swaps:
-                del module.forward
+            swaps.put(module, forward)
+
+    def copies(self) -> list[torch.Tensor]:
+        """The packed copies (tied weights packed once per module that uses them)."""
+        return [lin.packed for _, lin in self.linears if lin.packed is not None]
