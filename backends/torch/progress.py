@@ -1,7 +1,7 @@
 """A slow phase of loading, logged while it runs: its start, a line every `every_s` seconds
 with the time so far (and what `progress` can count), and its end with how long it took.
 
-A first start converts the default model and builds the CPU kernels (2-3 minutes on 2 cores)
+A first start converts the default model and builds the CPU kernels (about 2 minutes)
 and once said nothing meanwhile; these lines, and the phase `/health` names
 (schedulers/load_phase.py), say what the wait is for.
 """
