@@ -1,10 +1,11 @@
 """Serve at once on torch's ops, take Carousel's CPU kernels between two steps once built.
 
 A first start on a fresh machine would otherwise wait for the kernels' g++ build (one
-compiler job, about 2 minutes) before the first token (issue 52). A backend whose kernels are not built yet builds
-its model without them (`cpu_kernels=False`: torch's maintained ops, attention `auto` being
-`sdpa`) and serves; this thread, at the lowest priority (nice 19: on Linux nice is per thread
-and the compiler processes it forks inherit it), builds the kernels, then the kernels'
+compiler job, about 2 minutes) before the first token (issue 52). A backend whose kernels are
+not built yet builds its model without them (`cpu_kernels=False`: torch's maintained ops,
+attention `auto` being `sdpa`) and serves; this thread, at the lowest priority (nice 19: on
+Linux nice is per thread and the compiler processes it forks inherit it), builds the kernels,
+then the kernels'
 `PagedCausalLM` over the same HF model and the same KV cache (one layout for every attention
 backend, attention/base.py), and hands it to the device thread, which swaps it in between two
 steps (device_thread.py runs one job at a time). A request in flight goes on with its KV
