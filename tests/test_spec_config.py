@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from schedulers.spec_decode.config import (
+    ADAPTIVE_MAX_CONCURRENCY,
     DEFAULT_PROMPT_LOOKUP,
     MAX_SPEC_LEN,
     SpeculativeConfig,
@@ -141,3 +142,13 @@ def test_the_adaptive_knobs_are_read_when_adaptive() -> None:
     )
     assert config.adaptive and config.ema_alpha == 0.5 and config.max_concurrency == 8
     assert (config.probe_backoff_steps, config.max_probe_backoff_steps) == (4, 64)
+
+
+def test_the_adaptive_policy_defaults_to_the_measured_load_threshold() -> None:
+    """vLLM drafts at any load (no threshold); the adaptive form takes the one measured
+    (scripts/spec_thresholds.py) unless the config names one, null included."""
+    adaptive = parse(method="ngram", num_speculative_tokens=4, adaptive=True)
+    assert adaptive.max_concurrency == ADAPTIVE_MAX_CONCURRENCY
+    assert parse(method="ngram", num_speculative_tokens=4).max_concurrency is None
+    unlimited = parse(method="ngram", num_speculative_tokens=4, adaptive=True, max_concurrency=None)
+    assert unlimited.max_concurrency is None

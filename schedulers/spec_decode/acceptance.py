@@ -44,7 +44,8 @@ class AcceptanceTracker:
     EMA at the 1 -> 0 threshold: an accepted probe keeps it on (and clears the backoff), a
     rejected one turns it off again for twice as long, at most `max_probe_backoff_steps`.
 
-    NOTE: the knobs' defaults are provisional (config.py): they must be measured.
+    The knobs' defaults and how they stand against the measured break-even acceptance of
+    each draft length are in config.py (`SpeculativeConfig`, MEASURED_BASIS).
     """
 
     def __init__(self, config: SpeculativeConfig) -> None:

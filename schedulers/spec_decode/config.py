@@ -25,6 +25,16 @@ _MODEL_METHODS = frozenset(
 )
 #: vLLM's spellings of the n-gram method (`model: "[ngram]"` is how older vLLM named it)
 _NGRAM_ALIASES = frozenset({"ngram", "[ngram]"})
+#: the adaptive policy's `max_concurrency` where the config names none (`"max_concurrency":
+#: null` keeps drafting at any load): above this many decoding sequences no realistic
+#: acceptance pays for the drafts' rows on the machine it was measured on (MEASURED_BASIS)
+ADAPTIVE_MAX_CONCURRENCY = 32
+#: where ADAPTIVE_MAX_CONCURRENCY and the adaptive knobs' defaults were measured
+MEASURED_BASIS = (
+    "OMP_NUM_THREADS=1 .venv/bin/python scripts/spec_thresholds.py --rounds 9 on an "
+    "'Intel(R) Xeon(R) Processor' (lscpu; AMX), 2 shared cores at a load average of 11-14 "
+    "from other work, 2026-12-07; median wall and median CPU time per step agree"
+)
 #: keys that only the adaptive policy reads
 _ADAPTIVE_KEYS = (
     "ema_alpha",
@@ -55,11 +65,21 @@ class SpeculativeConfig:
     `max_concurrency` (TensorRT-LLM's name): above this many decoding sequences in a step,
     no sequence drafts; drafting resumes at `max_concurrency - concurrency_hysteresis` or
     fewer, and the switch never flips twice within `min_switch_steps` steps (load_switch.py).
-    None: drafting at any load.
+    None: drafting at any load (vLLM's behaviour, the default without `adaptive`); with
+    `adaptive` and no value given, `from_dict` sets the measured ADAPTIVE_MAX_CONCURRENCY.
 
-    NOTE: every default of the adaptive knobs and `max_concurrency` is provisional: the
-    thresholds at which drafting pays depend on the machine (where its steps turn compute
-    bound) and must be measured there, not taken from here.
+    Measured basis (MEASURED_BASIS, docs/speculative-decoding.md "Where it pays"): the cost
+    of a step whose B rows each verify k drafts against B plain rows, t(B, k) / t(B, 0), on the
+    default model served as by default (`quantization auto`: int4 up to R = 8 rows, so a
+    verifying step of B >= 2 rows at k = 4 runs bf16). At a per-draft acceptance of 0.8 (the
+    grounded-edit single stream's 66% of 4 drafts) k = 4 drafts yield 2.36 accepted tokens:
+    they pay up to B = 32 (x2.3-2.4, 1.3-1.4 needed) and not at 64 (x4.7-4.8): hence 32. The
+    ladder's rungs (acceptance.py) sit above the measured break-even of their k at B <= 32
+    (k = 4 drops at an EMA of 2.25, its break-even 0.5-1.4; k = 3 at 1.25, 0.4-1.0); the off
+    threshold 0.5 + `down_hysteresis` = 0.25 lies within k = 1's measured break-even, -0.04
+    to 0.5 (median 0.3) across B = 1..32; a failed probe drafts one token every
+    `probe_backoff_steps` = 16 steps, at most 1/16 of k = 1's cost (0.5 of a row's step).
+    `ema_alpha` and `min_switch_steps` are SGLang's and TensorRT-LLM's, not measured here.
     """
 
     num_speculative_tokens: int
@@ -180,6 +200,8 @@ class SpeculativeConfig:
                 f"{', '.join(strays)}: the adaptive policy's knobs, read only with "
                 '"adaptive": true'
             )
+        if values.get("adaptive", False):
+            values.setdefault("max_concurrency", ADAPTIVE_MAX_CONCURRENCY)
         low = values.pop("prompt_lookup_min", None)
         low, high = _lookup_window(low, values.pop("prompt_lookup_max", None))
         return cls(method=method, prompt_lookup_min=low, prompt_lookup_max=high, **values)

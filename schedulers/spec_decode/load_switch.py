@@ -17,8 +17,10 @@ from schedulers.spec_decode.config import SpeculativeConfig
 class LoadSwitch:
     """Whether a step's sequences may draft, from how many sequences decode in it.
 
-    NOTE: `max_concurrency` is where verifying drafts stops paying on this machine (the
-    step turns compute bound): a provisional default or a guess until measured there.
+    `max_concurrency` is where verifying the configured k drafts stops paying (the step
+    turns compute bound): the adaptive policy's default, 32, was measured
+    (config.py's ADAPTIVE_MAX_CONCURRENCY and MEASURED_BASIS; scripts/spec_thresholds.py
+    measures it on another machine).
     """
 
     def __init__(
