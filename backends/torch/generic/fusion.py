@@ -34,10 +34,11 @@ from backends.torch.generic.mlp import fuse_mlps
 from backends.torch.generic.norms import native_norms
 from backends.torch.generic.probe import probe_layers
 from backends.torch.generic.residual import fold_residuals
-from backends.torch.generic.siblings import SIBLINGS, SiblingGroup, fuse_siblings, sibling_sets
+from backends.torch.generic.siblings import SiblingGroup, fuse_siblings, sibling_sets
 from backends.torch.generic.swaps import StepSwaps
 from backends.torch.layers.linear import PackPlan
 from backends.torch.logs import engine_log
+from backends.torch.models.llama_modules import SIBLINGS, mlp_linears
 
 log = engine_log()
 
@@ -90,7 +91,8 @@ def build_fusion(
         counts["silu_mlps"] = len(mlps)
         for mlp, gate_up in mlps:
             copies.append(gate_up.packed)
-            inside |= {id(mlp.gate_proj), id(mlp.up_proj)}
+            gate, up, _ = mlp_linears(mlp)
+            inside |= {id(gate), id(up)}
         for key, names in SIBLINGS:
             sets = [(p, ms) for p, ms in sibling_sets(hf_model, names) if id(ms[0]) not in inside]
             for parent, members in sets:

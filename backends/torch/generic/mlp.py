@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from backends.torch.generic.swaps import StepSwaps, own_forward, same_code
 from backends.torch.layers.linear import GateUp, PackPlan, cached_gate_up, fusable_gate_up
+from backends.torch.models.llama_modules import mlp_linears
 
 _SILU = (SiLUActivation, nn.SiLU)
 
@@ -29,7 +30,7 @@ def silu_mlp(module: nn.Module, plan: PackPlan | None) -> bool:
     """Whether `module` is an MLP the `GateUp` kernel computes under `plan`."""
     if not same_code(type(module), "forward", LlamaMLP.forward) or not own_forward(module):
         return False
-    gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = mlp_linears(module)
     act = getattr(module, "act_fn", None)
     return (
         all(type(m) is nn.Linear for m in (gate, up, down))
@@ -45,7 +46,7 @@ def silu_mlp(module: nn.Module, plan: PackPlan | None) -> bool:
 def gate_up_forward(module: Any, gate_up: GateUp) -> Callable[[torch.Tensor], torch.Tensor]:
     """`module`'s step-time forward (see the module)."""
     own = type(module).forward.__get__(module)
-    down = module.down_proj
+    _, _, down = mlp_linears(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -67,7 +68,8 @@ def fuse_mlps(
     mlp: Any
     for mlp in [m for m in model.modules() if silu_mlp(m, plan)]:
         assert plan is not None  # see fusable_gate_up
-        gate_up = cached_gate_up(mlp, mlp.gate_proj.weight, mlp.up_proj.weight, plan)
+        gate, up, _ = mlp_linears(mlp)
+        gate_up = cached_gate_up(mlp, gate.weight, up.weight, plan)
         swaps.put(mlp, gate_up_forward(mlp, gate_up))
         fused.append((mlp, gate_up))
     return fused

@@ -21,6 +21,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from backends.torch.generic.swaps import StepSwaps, own_forward, same_code
+from backends.torch.models.llama_modules import norm_eps
 
 
 def llama_norm(module: nn.Module) -> bool:
@@ -31,7 +32,7 @@ def llama_norm(module: nn.Module) -> bool:
         and own_forward(module)
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 1
-        and isinstance(getattr(module, "variance_epsilon", None), float | int)
+        and isinstance(norm_eps(module), float | int)
     )
 
 
@@ -52,7 +53,7 @@ def kernel_norm_forward(
             fallback: torch.Tensor = own(x)
             return fallback
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out: torch.Tensor = kernels.rms_norm(rows, weight, float(module.variance_epsilon))
+        out: torch.Tensor = kernels.rms_norm(rows, weight, float(norm_eps(module)))
         return out.view(x.shape)
 
     return forward

@@ -25,13 +25,14 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from backends.torch.generic.norms import llama_norm
 from backends.torch.generic.swaps import StepSwaps, own_forward, same_code
+from backends.torch.models.llama_modules import layer_attention, layer_norms, norm_eps
 
 
 def foldable(layer: nn.Module) -> bool:
     """Whether `layer` runs Llama's decoder-layer code over two Llama-formula norms."""
     if not same_code(type(layer), "forward", LlamaDecoderLayer.forward) or not own_forward(layer):
         return False
-    norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+    norms = layer_norms(layer)
     return all(isinstance(n, nn.Module) and llama_norm(n) for n in norms) and not _hooked(norms[1])
 
 
@@ -44,22 +45,24 @@ def folded_forward(
 ) -> Callable[..., torch.Tensor]:
     """`layer`'s step-time forward (see the module)."""
     own = type(layer).forward.__get__(layer)
-    post = layer.post_attention_layernorm
+    first, post = layer_norms(layer)
+    attention = layer_attention(layer)
+    eps = float(norm_eps(post))
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         weight = post.weight
         if args or hidden_states.dtype != weight.dtype or hidden_states.dtype not in dtypes:
             whole: torch.Tensor = own(hidden_states, *args, **kwargs)
             return whole
-        x = layer.input_layernorm(hidden_states)
-        attn, _ = layer.self_attn(hidden_states=x, **kwargs)
+        x = first(hidden_states)
+        attn, _ = attention(hidden_states=x, **kwargs)
         if not _writable(attn, hidden_states, x):
             residual = hidden_states + attn
             return residual + layer.mlp(post(residual))
         width = hidden_states.shape[-1]
         stream = attn.view(-1, width)  # becomes `attention + residual`, in place
         inputs = hidden_states.reshape(-1, width).contiguous()
-        normed = kernels.add_rms_norm(stream, inputs, weight, float(post.variance_epsilon))
+        normed = kernels.add_rms_norm(stream, inputs, weight, eps)
         out: torch.Tensor = layer.mlp(normed.view(hidden_states.shape))
         return stream.view(hidden_states.shape).add_(out)
 

@@ -27,11 +27,6 @@ from backends.torch.generic.swaps import StepSwaps, own_forward
 from backends.torch.layers.fused import fuse_rows
 from backends.torch.layers.linear import Linear, PackPlan, cached_linear
 
-#: sibling projections by their standard transformers names, and their key on the parent
-SIBLINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("qkv", ("q_proj", "k_proj", "v_proj")),
-    ("gate_up", ("gate_proj", "up_proj")),
-)
 _KEY = "generic_"  # the fused linear's key among the parent's cached linears
 
 

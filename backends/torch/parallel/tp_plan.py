@@ -1,8 +1,9 @@
 """Tensor parallelism of the generic path, cut by the model's own `base_model_tp_plan`.
 
 A transformers config names, per module of its base model, how tensor parallelism splits it
-(`layers.*.self_attn.q_proj: colwise`, ...; transformers/distributed/tensor_parallel.py says
-what each style does). The generic path runs each style's inference forward:
+(`layers.*.<attention>.<query projection>: colwise`, ...;
+transformers/distributed/tensor_parallel.py says what each style does). The generic path
+runs each style's inference forward:
 
 - `colwise`: the weight's (and bias's) output rows in N equal parts; the rank's output is its
   part of the features (its heads, its intermediate rows), which the next module takes as is;
