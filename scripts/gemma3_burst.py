@@ -15,7 +15,8 @@ minutes of a shared machine fall on every server alike):
 and output tok/s counts the tokens each actually sent. Every server listens on 127.0.0.1 and
 is stopped by its pid (and wrapped in `timeout`). Writes `summary.json` under --out.
 
-    .venv/bin/python scripts/gemma3_burst.py --llama-server /path/to/llama-server --llama-no-repack --rounds 2
+    .venv/bin/python scripts/gemma3_burst.py --llama-server /path/to/llama-server \
+        --llama-no-repack --rounds 2
 """
 
 from __future__ import annotations
