@@ -29,6 +29,7 @@ from backends.torch.testing.tiny_generic import (
     tiny_generic_model,
 )
 from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_model, tiny_tokenizer
+from schedulers.backend import Backend
 from schedulers.base import SchedulerConfig
 from schedulers.llm import LLM, Generation
 from schedulers.sampling_params import SamplingParams
@@ -63,11 +64,16 @@ def arch_model(request: pytest.FixtureRequest) -> PreTrainedModel:
     return generic_model(request.param)
 
 
+def hf_two_phases(model: PreTrainedModel) -> tuple[list[list[int]], list[list[int]]]:
+    """HF `generate`'s greedy answers to the prompts, then to each conversation's second turn."""
+    phase1 = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS, strict=True)]
+    phase2 = [hf_greedy(model, p, SECOND_MAX_TOKENS) for p in second_turns(phase1)]
+    return phase1, phase2
+
+
 @pytest.fixture(scope="module")
 def expected(arch_model: PreTrainedModel) -> tuple[list[list[int]], list[list[int]]]:
-    phase1 = [hf_greedy(arch_model, p, m) for p, m in zip(prompts(), MAX_TOKENS, strict=True)]
-    phase2 = [hf_greedy(arch_model, p, SECOND_MAX_TOKENS) for p in second_turns(phase1)]
-    return phase1, phase2
+    return hf_two_phases(arch_model)
 
 
 def generic_backend(model: PreTrainedModel, max_num_seqs: int = 64, **fields: Any) -> TorchBackend:
@@ -116,11 +122,12 @@ def token_ids(gens: list[Generation]) -> list[list[int]]:
     return [g.choices[0].token_ids for g in gens]
 
 
-def test_orca_with_chunks_preemption_and_a_prefix_hit_equals_hf_generate(
-    arch_model: PreTrainedModel, expected: tuple[list[list[int]], list[list[int]]]
+def assert_orca_with_chunks_preemption_and_a_hit_exact(
+    backend: Backend, expected: tuple[list[list[int]], list[list[int]]]
 ) -> None:
-    backend = generic_backend(arch_model, max_num_seqs=1)  # KV for one 80-token context
-    assert isinstance(backend.model, TransformersCausalLM)
+    """`backend` (KV for one 80-token context) under orca with 16-token chunks: two phases of
+    greedy answers equal `expected` with a prefix hit, a preemption, chunked long prompts,
+    the block accounting right after every step and every block free at the end."""
     config = SchedulerConfig(
         max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True,
         enable_prefix_caching=True,
@@ -139,6 +146,14 @@ def test_orca_with_chunks_preemption_and_a_prefix_hit_equals_hf_generate(
     prefills = [r.num_prefill_tokens for r in engine.trace if r.num_prefill_tokens]
     assert max(prefills) <= 16 < max(len(p) for p in prompts())  # the long prompts came in chunks
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_orca_with_chunks_preemption_and_a_prefix_hit_equals_hf_generate(
+    arch_model: PreTrainedModel, expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    backend = generic_backend(arch_model, max_num_seqs=1)  # KV for one 80-token context
+    assert isinstance(backend.model, TransformersCausalLM)
+    assert_orca_with_chunks_preemption_and_a_hit_exact(backend, expected)
 
 
 def test_static_batches_with_a_prefix_hit_equal_hf_generate(

@@ -24,16 +24,10 @@ from backends.torch.parallel.group import TensorParallelGroup, acquire_group, re
 from backends.torch.parallel.tp_plan import choose_split
 from backends.torch.testing.tiny_generic import tiny_generic_model
 from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_tokenizer
-from schedulers.base import SchedulerConfig
-from schedulers.llm import LLM
 from tests.test_generic_oracle import (
-    SECOND_MAX_TOKENS,
-    assert_equal_with_a_hit,
-    second_turns,
-    two_phases,
+    assert_orca_with_chunks_preemption_and_a_hit_exact,
+    hf_two_phases,
 )
-from tests.test_oracle import DELAYS_S, MAX_TOKENS, hf_greedy, prompts
-from tests.test_prefix_cache_oracle import check_accounting_after_every_step
 
 #: one dense and one mixture-of-experts model whose plans split them
 ARCHS = ["gemma3", "qwen3_moe"]
@@ -65,10 +59,7 @@ def saved(
 
 @pytest.fixture(scope="module")
 def expected(saved: tuple[PreTrainedModel, Path]) -> tuple[list[list[int]], list[list[int]]]:
-    model = saved[0]
-    phase1 = [hf_greedy(model, p, m) for p, m in zip(prompts(), MAX_TOKENS, strict=True)]
-    phase2 = [hf_greedy(model, p, SECOND_MAX_TOKENS) for p in second_turns(phase1)]
-    return phase1, phase2
+    return hf_two_phases(saved[0])
 
 
 @pytest.fixture(scope="module")
@@ -88,23 +79,7 @@ def tp_backend(
 def test_tp2_orca_with_chunks_preemption_and_a_prefix_hit_equals_hf_generate(
     tp_backend: TensorParallelBackend, expected: tuple[list[list[int]], list[list[int]]]
 ) -> None:
-    config = SchedulerConfig(
-        max_num_seqs=6, max_num_batched_tokens=16, enable_chunked_prefill=True,
-        enable_prefix_caching=True,
-    )  # fmt: skip
-    llm = LLM(tp_backend, "orca", config)
-    errors = check_accounting_after_every_step(llm)
-    try:
-        first, second = two_phases(llm, [0.0] * len(DELAYS_S))
-    finally:
-        llm.close()
-    assert_equal_with_a_hit(first, second, expected)
-    assert not errors, errors[0]
-    engine = llm.engine
-    assert engine.scheduler.num_preemptions > 0
-    prefills = [r.num_prefill_tokens for r in engine.trace if r.num_prefill_tokens]
-    assert max(prefills) <= 16 < max(len(p) for p in prompts())  # the long prompts came in chunks
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_orca_with_chunks_preemption_and_a_hit_exact(tp_backend, expected)
 
 
 def test_each_rank_caches_its_own_kv_heads_and_holds_the_whole_vocabulary(
