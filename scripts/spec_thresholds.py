@@ -38,11 +38,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
+from bench_forward import DecodeBatch  # noqa: E402  (scripts/, on sys.path as the script's folder)
+
 from backends.torch.runner.backend import TorchBackend  # noqa: E402
 from schedulers.batch import Batch  # noqa: E402
-from schedulers.block_manager import BlockManager  # noqa: E402
-from schedulers.sampling_params import SamplingParams  # noqa: E402
-from schedulers.sequence import Sequence  # noqa: E402
 from schedulers.spec_decode import thresholds  # noqa: E402
 from schedulers.spec_decode.ngram import NgramProposer  # noqa: E402
 
@@ -56,24 +55,27 @@ STATISTICS: dict[str, tuple[str, Callable[[list[float]], float]]] = {
 }
 
 
-class DraftingBatch:
-    """B sequences on `backend`, prefilled, stepping with k random drafts per row."""
+class DraftingBatch(DecodeBatch):
+    """B sequences on `backend`, prefilled (bench_forward's `DecodeBatch`), stepping with k
+    random drafts per row."""
 
     def __init__(self, backend: TorchBackend, rows: int, prompt_len: int, max_steps: int) -> None:
-        self.backend = backend
-        spec = backend.kv_cache_spec
-        self.block_manager = BlockManager(spec.num_blocks, spec.block_size)
-        params = SamplingParams(max_tokens=max_steps + 8, temperature=0.0, ignore_eos=True)
-        self.seqs = [
-            Sequence(i, f"s{i}", torch.randint(100, 1000, (prompt_len,)).tolist(), params)
-            for i in range(rows)
-        ]
+        super().__init__(backend, rows, prompt_len, max_steps + 7)
         self.proposer = NgramProposer(2, 4)
-        self._run(prompt_len, 0)
 
-    def step(self, k: int) -> None:
+    def step(self, k: int = 0) -> None:
         """One decode step, each row verifying `k` random drafts (0: a plain decode)."""
-        self._run(1, k)
+        batch = Batch(iteration=0)
+        for i, seq in enumerate(self.seqs):
+            self.block_manager.allocate(seq, seq.num_computed_tokens + 1 + k)
+            batch.add(seq, 1)
+            if k:
+                batch.add_drafts(i, torch.randint(100, 1000, (k,)).tolist())
+        out = self.backend.execute(batch)
+        for seq in self.seqs:
+            emitted = out.verified.get(seq.seq_id) or [out.sampled[seq.seq_id]]
+            seq.num_computed_tokens += 1  # every draft rejected: their slots are rewritten
+            seq.output_token_ids.append(emitted[0].token_id)
 
     def propose_s(self, k: int) -> float:
         """Seconds of the proposer's lookup over every row (as the scheduler's step asks)."""
@@ -81,24 +83,6 @@ class DraftingBatch:
         for seq in self.seqs:
             self.proposer.propose(seq, k)
         return time.perf_counter() - began
-
-    def _run(self, own: int, k: int) -> None:
-        batch = Batch(iteration=0)
-        for i, seq in enumerate(self.seqs):
-            self.block_manager.allocate(seq, seq.num_computed_tokens + own + k)
-            batch.add(seq, own)
-            if k:
-                batch.add_drafts(i, torch.randint(100, 1000, (k,)).tolist())
-        out = self.backend.execute(batch)
-        for seq in self.seqs:
-            emitted = out.verified.get(seq.seq_id) or [out.sampled[seq.seq_id]]
-            seq.num_computed_tokens += own  # every draft rejected: their slots are rewritten
-            seq.output_token_ids.append(emitted[0].token_id)
-
-    def close(self) -> None:
-        for seq in self.seqs:
-            self.block_manager.free(seq)
-            self.backend.release(seq.seq_id)
 
 
 def measure(
