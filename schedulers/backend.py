@@ -24,6 +24,16 @@ class KVCacheSpec:
     bytes_per_block: int = 0
 
 
+@dataclass(frozen=True)
+class FastRows:
+    """Steps of at most `rows` rows run faster kernels (weight-only quantised linears), whose
+    work takes `speedup` times less time than the full-precision path's; past `rows` a step
+    takes the full-precision path. What the drafter weighs before drafting a step past it."""
+
+    rows: int
+    speedup: float
+
+
 class BackendDeadError(RuntimeError):
     """The backend can never run another step (a tensor-parallel rank died or hung).
 
@@ -67,6 +77,11 @@ class Backend(abc.ABC):
         speculative decoding) into `ExecuteOutput.verified`; the engine refuses
         `speculative_config` over a backend that does not."""
         return False
+
+    @property
+    def fast_rows(self) -> FastRows | None:
+        """Where its steps run faster kernels (None: every step size runs the same ones)."""
+        return None
 
     @property
     def weight_bytes(self) -> dict[str, int]:

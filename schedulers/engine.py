@@ -102,6 +102,8 @@ class Engine:
         self.scheduler = create_scheduler(
             scheduler, self.config, self.block_manager, policy_options
         )
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.fast_rows = backend.fast_rows
         self.trace: deque[IterationRecord] = deque(maxlen=trace_capacity)
         self.iteration_listeners: list[Callable[[IterationRecord], None]] = []
         self.finish_listeners: list[Callable[[Sequence], None]] = []

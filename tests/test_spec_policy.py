@@ -4,12 +4,13 @@ and never flipping step to step on a signal that hovers at a threshold."""
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Iterable
 
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
 from schedulers.spec_decode.acceptance import AcceptanceTracker
-from schedulers.spec_decode.budget import allot_drafts, draft_room
+from schedulers.spec_decode.budget import allot_drafts, draft_room, fit_fast_rows
 from schedulers.spec_decode.config import SpeculativeConfig
 from schedulers.spec_decode.load_switch import LoadSwitch
 from schedulers.spec_decode.policy import (
@@ -18,6 +19,7 @@ from schedulers.spec_decode.policy import (
     SpeculationPolicy,
     draft_policy,
 )
+from schedulers.spec_decode.stats import SpecDecodingStats
 
 #: k = 4 with SGLang's default margins (up 0.0, down -0.25) and EMA weight 0.2
 ADAPTIVE = SpeculativeConfig(4, adaptive=True)
@@ -199,3 +201,32 @@ def test_drafts_are_cut_in_row_order_where_the_budget_ends() -> None:
     assert allot_drafts([4, 0, 3], spare=100) == [4, 0, 3]
     assert allot_drafts([4, 4], spare=0) == [0, 0]
     assert allot_drafts([4], spare=-3) == [0]
+
+
+def test_a_step_past_the_fast_rows_keeps_its_drafts_only_where_they_emit_more() -> None:
+    # one row, R = 4, k = 4: fitted k = 3. At p = 0.8 the four drafts yield 1 + 2.3616 and
+    # three 1 + 1.952 tokens: fitting pays from a speedup of 3.3616 / 2.952 = 1.139 up
+    assert fit_fast_rows([4], plain_rows=1, fast_rows=4, speedup=1.14, p=0.8) == [3]
+    assert fit_fast_rows([4], plain_rows=1, fast_rows=4, speedup=1.13, p=0.8) == [4]
+    # two rows: the three spare rows go one at a time, row after row
+    assert fit_fast_rows([4, 4], plain_rows=2, fast_rows=5, speedup=9.0, p=0.8) == [2, 1]
+    # four rows at R = 4 would draft nothing: 4 tokens * 1.3 < 4 * 3.36
+    assert fit_fast_rows([4] * 4, plain_rows=4, fast_rows=4, speedup=1.3, p=0.8) == [4] * 4
+
+
+def test_steps_already_past_or_within_the_fast_rows_keep_their_drafts() -> None:
+    assert fit_fast_rows([4], plain_rows=5, fast_rows=4, speedup=9.0, p=0.8) == [4]
+    assert fit_fast_rows([2, 1], plain_rows=1, fast_rows=4, speedup=9.0, p=0.8) == [2, 1]
+    assert fit_fast_rows([], plain_rows=3, fast_rows=4, speedup=9.0, p=0.8) == []
+
+
+def test_the_per_draft_acceptance_is_accepted_over_accepted_and_rejections() -> None:
+    stats = SpecDecodingStats(num_speculative_tokens=4)
+    assert stats.draft_acceptance() == 0.8  # the prior alone
+    rng = random.Random(0)
+    for _ in range(5000):  # geometric acceptance at p = 0.6, drafts of 4
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.6:
+            accepted += 1
+        stats.observe(4, accepted)
+    assert abs(stats.draft_acceptance(prior=(0.0, 0.0)) - 0.6) < 0.02

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from schedulers.backend import FastRows
 from schedulers.base import Scheduler, SchedulerConfig
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import BlockManager, blocks_for
@@ -278,3 +279,21 @@ def test_a_config_that_finds_no_drafts_schedules_exactly_as_none() -> None:
             assert not batch.draft_token_ids
         runs.append((history, [s.output_token_ids for s in seqs]))
     assert runs[0] == runs[1]
+
+
+def test_a_lone_sequence_keeps_its_verify_steps_within_the_backends_fast_rows() -> None:
+    """With int4 linears up to R = 4 rows, twice as fast there, one decoding sequence verifies
+    three drafts (four rows) rather than k = 5 (six rows), and says the same."""
+    spec = dataclasses.replace(SPEC, num_speculative_tokens=5, prompt_lookup_max=5)
+    outputs = {}
+    for fast in (None, FastRows(rows=4, speedup=2.0)):
+        sched = make_scheduler(spec=spec)
+        assert sched.drafter is not None
+        sched.drafter.fast_rows = fast
+        seq = make_seq(12, max_tokens=30)
+        batches = run_all(sched, [seq])
+        verify = [b for b in batches if b.num_draft_tokens]
+        widest = max(b.total_tokens for b in verify)  # drafts included
+        assert widest == (6 if fast is None else 4)
+        outputs[fast] = seq.output_token_ids
+    assert outputs[None] == list(outputs.values())[1] == [truth(12 + p) for p in range(30)]

@@ -7,16 +7,20 @@ at schedule time, so the token budget sees them); after the step, `observe` feed
 verified row's acceptance to the draft policy and the counters; `release` forgets a finished
 sequence. Drafts take only what the policy left: the token budget after every row's own
 tokens (prefill chunks included) and free KV blocks (a row that cannot get blocks for its
-drafts verifies fewer or none; nothing is preempted for a draft). A row drafts only when it
-decodes, has no output grammar and no penalties (whose counts would move within the step).
+drafts verifies fewer or none; nothing is preempted for a draft). Where the backend's steps
+of few rows run faster kernels (`Backend.fast_rows`: int4 linears up to `R` rows), a step that
+fits them drafts only what keeps it there, when that emits more tokens per second. A row
+drafts only when it decodes, has no output grammar and no penalties (whose counts would move
+within the step).
 """
 
 from __future__ import annotations
 
+from schedulers.backend import FastRows
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.sequence import Sequence
-from schedulers.spec_decode.budget import allot_drafts, draft_room
+from schedulers.spec_decode.budget import allot_drafts, draft_room, fit_fast_rows
 from schedulers.spec_decode.config import SpeculativeConfig
 from schedulers.spec_decode.ngram import NgramProposer
 from schedulers.spec_decode.policy import DraftPolicy, draft_policy
@@ -31,6 +35,9 @@ class Drafter:
         self.policy: DraftPolicy = draft_policy(config)
         self.proposer = NgramProposer.from_config(config)
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        #: the backend's fast step size (the engine sets it): a step that fits it keeps to
+        #: it when that emits more per second (budget.fit_fast_rows)
+        self.fast_rows: FastRows | None = None
 
     def add_drafts(
         self, batch: Batch, block_manager: BlockManager, token_budget: int, max_model_len: int
@@ -53,6 +60,10 @@ class Drafter:
             if drafts:
                 proposals.append((i, drafts))
         granted = allot_drafts([len(drafts) for _, drafts in proposals], spare)
+        fast = self.fast_rows
+        if fast is not None:
+            p = self.stats.draft_acceptance()
+            granted = fit_fast_rows(granted, batch.total_tokens, fast.rows, fast.speedup, p)
         for (i, drafts), count in zip(proposals, granted, strict=True):
             seq = batch.seqs[i]
             count = min(count, _kv_room(seq, block_manager))

@@ -20,6 +20,8 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    #: drafts cut short: a draft token was rejected (the rest were never looked at)
+    num_rejected_drafts: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
@@ -37,6 +39,7 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        self.num_rejected_drafts += num_accepted < num_draft_tokens
         for position in range(num_accepted):
             self.num_accepted_tokens_per_pos[position] += 1
 
@@ -44,3 +47,12 @@ class SpecDecodingStats:
     def mean_acceptance_length(self) -> float | None:
         """Tokens emitted per verified draft, the bonus included (None before any draft)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def draft_acceptance(self, prior: tuple[float, float] = (4.0, 1.0)) -> float:
+        """The chance a draft token is accepted once every one before it was: accepted tokens
+        over accepted tokens plus rejections (each draft stops at its first rejected token,
+        so this is the estimate for a per-position acceptance, the geometric model of
+        thresholds.py), with `prior` (accepted, rejected) pseudo-counts added; 0.8 before any
+        draft at the default."""
+        accepted = self.num_accepted_tokens + prior[0]
+        return accepted / (accepted + self.num_rejected_drafts + prior[1])

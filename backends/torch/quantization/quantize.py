@@ -62,6 +62,9 @@ class QuantizationReport:
     mode: str
     layer_max_rows: int = 0
     lm_head_max_rows: int = 0
+    #: how many times faster every layer's quantised linears run than the dense ones at
+    #: `layer_max_rows` rows (1.0: none run); the linears alone, so above the whole step's
+    layer_speedup: float = 1.0
     weight_bytes: dict[str, int] = field(default_factory=dict)
 
 
@@ -189,20 +192,40 @@ def measure_max_rows(
         return 0
     best = 0
     for rows in CANDIDATE_ROWS:
-        inputs = {
-            k: torch.randn(rows, k, device=device, dtype=dtype)
-            for k in {pair.in_features for pair in pairs}
-        }
-
-        run_dense, run_quantized = _passes(pairs, inputs)
-        dense_s = quantized_s = float("inf")
-        for _ in range(reps):
-            dense_s = min(dense_s, _timed(run_dense, device))
-            quantized_s = min(quantized_s, _timed(run_quantized, device))
+        dense_s, quantized_s = _time_both(pairs, rows, device, dtype, reps)
         if quantized_s >= dense_s:
             break
         best = rows
     return best
+
+
+@torch.inference_mode()
+def measure_speedup(
+    pairs: Sequence[Pair], rows: int, device: torch.device, dtype: torch.dtype, reps: int = 3
+) -> float:
+    """How many times faster the quantised side runs all of `pairs` at `rows` rows than the
+    dense side (as `measure_max_rows` times them); 1.0 for no pairs or rows."""
+    if not pairs or rows < 1:
+        return 1.0
+    dense_s, quantized_s = _time_both(pairs, rows, device, dtype, reps)
+    return dense_s / quantized_s
+
+
+def _time_both(
+    pairs: Sequence[Pair], rows: int, device: torch.device, dtype: torch.dtype, reps: int
+) -> tuple[float, float]:
+    """(dense, quantised) seconds of one pass over `pairs` at `rows` rows: the sides
+    alternate `reps` times and each keeps its fastest pass."""
+    inputs = {
+        k: torch.randn(rows, k, device=device, dtype=dtype)
+        for k in {pair.in_features for pair in pairs}
+    }
+    run_dense, run_quantized = _passes(pairs, inputs)
+    dense_s = quantized_s = float("inf")
+    for _ in range(reps):
+        dense_s = min(dense_s, _timed(run_dense, device))
+        quantized_s = min(quantized_s, _timed(run_quantized, device))
+    return dense_s, quantized_s
 
 
 def _passes(
@@ -275,16 +298,22 @@ def quantize_linears(
         _check_shape(key, dense, quantized)
     fixed = config.quantization_max_rows
     began = time.monotonic()
+    layout = tuple(lin.gate_up is not None for lin in linears)
     if fixed is not None:
         layer_rows = head_rows = fixed
     else:  # once per loaded model and layout: every arm serving it takes the same weights
-        layout = tuple(lin.gate_up is not None for lin in linears)
         layer_rows, head_rows = _shared(
             hf_model, ("max_rows", mode, str(device), dtype, layout),
             lambda: (
                 measure_max_rows(_all_pairs(linears, copies), device, dtype),
                 measure_max_rows([linear_pair(lm_head, copies["lm_head"])], device, dtype),
             ),
+        )  # fmt: skip
+    speedup = 1.0
+    if layer_rows > 0:
+        speedup = _shared(
+            hf_model, ("speedup", mode, str(device), dtype, layout, layer_rows),
+            lambda: measure_speedup(_all_pairs(linears, copies), layer_rows, device, dtype),
         )  # fmt: skip
     aten = kernels  # torch's weight-only ops are named in kernels.py
     ops = []
@@ -300,12 +329,14 @@ def quantize_linears(
     kept = {k: v for k, v in copies.items()
             if (head_rows if k == "lm_head" else layer_rows) > 0}  # fmt: skip
     report.layer_max_rows, report.lm_head_max_rows = layer_rows, head_rows
+    report.layer_speedup = speedup
     report.weight_bytes = weight_bytes(hf_model, packed, kept)
     log.info(
         "quantised linears",
         quantization=mode,
         layer_max_rows=layer_rows,
         lm_head_max_rows=head_rows,
+        layer_speedup=round(speedup, 2),
         measured=fixed is None,
         seconds=round(time.monotonic() - began, 2),
         weight_bytes=report.weight_bytes,

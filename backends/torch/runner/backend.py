@@ -42,7 +42,7 @@ from backends.torch.runner.model_impl import ModelBuilder, PagedModel, check_mod
 from backends.torch.runner.staging import InputStager, StagedInput
 from backends.torch.sample.sampler import Sampler
 from backends.torch.sample.verify import verify_step
-from schedulers.backend import Backend, KVCacheSpec
+from schedulers.backend import Backend, FastRows, KVCacheSpec
 from schedulers.batch import Batch, ExecuteOutput
 from schedulers.block_manager import blocks_for
 from schedulers.load_phase import KERNELS_CAROUSEL, KERNELS_TORCH, WARMING_UP, load_phase
@@ -284,6 +284,14 @@ class TorchBackend(Backend):
     @property
     def weight_bytes(self) -> dict[str, int]:
         return dict(self.model.quantization.weight_bytes)
+
+    @property
+    def fast_rows(self) -> FastRows | None:
+        """The quantised linears' `R` and their measured speedup there, where they serve."""
+        report = self.model.quantization
+        if report.layer_max_rows < 1:
+            return None
+        return FastRows(report.layer_max_rows, report.layer_speedup)
 
     @property
     def serving_kernels(self) -> str | None:
