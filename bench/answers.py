@@ -23,16 +23,20 @@ from bench.runner import BenchResult, RunRecord, arm_name
 from bench.workload import RequestSpec
 
 
-def is_greedy(spec: RequestSpec) -> bool:
-    """Whether `spec` asks for one greedy answer (the bench's own requests always do)."""
+def is_greedy(spec: RequestSpec, temperature: float = 0.0) -> bool:
+    """Whether `spec` asks for one greedy answer (the bench's own requests do at the bench's
+    `temperature` 0)."""
     if spec.body is None:
-        return True
+        return temperature == 0
     return spec.body.get("temperature") == 0 and spec.body.get("n", 1) == 1
 
 
-def comparable_requests(specs: Sequence[RequestSpec]) -> tuple[set[int], str | None]:
-    """The request indices whose answers can be compared across arms, and why none can."""
-    greedy = {s.index for s in specs if is_greedy(s)}
+def comparable_requests(
+    specs: Sequence[RequestSpec], temperature: float = 0.0
+) -> tuple[set[int], str | None]:
+    """The request indices whose answers can be compared across arms, and why none can
+    (`temperature`: the bench's own requests')."""
+    greedy = {s.index for s in specs if is_greedy(s, temperature)}
     if not greedy:
         return greedy, "not comparable: no request asked for temperature 0"
     same_prompt = {i for i in greedy if specs[i].turn == 1}
@@ -55,13 +59,14 @@ def answer_agreement(
     arms: list[str | None],
     specs: Sequence[RequestSpec],
     first_repeat_only: bool = False,
+    temperature: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Per rate and arm: how many greedy answers equal the baseline's (`arms[0]`), repeat by
     repeat (both arms of a repeat ran the same workload); `first_repeat_only` where later
     repeats' workloads differ in which requests are first turns (multi-turn)."""
     if len(arms) < 2:
         return []
-    indices, reason = comparable_requests(specs)
+    indices, reason = comparable_requests(specs, temperature)
     names = [arm_name(a) for a in arms]
     entries = []
     for rate in dict.fromkeys(run.rate for run in result.runs):

@@ -154,6 +154,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-request timeout in seconds, streaming included (default: 600)",
     )
     target.add_argument(
+        "--temperature",
+        type=_arg_type(_non_negative_float, "a temperature"),
+        default=0.0,
+        help="sampling temperature of the bench's own requests (default: 0, greedy; a "
+        "sampled burst's answers do not loop as greedy ones with ignore_eos may)",
+    )
+    target.add_argument(
         "--no-ignore-eos",
         dest="ignore_eos",
         action="store_false",
@@ -399,6 +406,7 @@ def build_config(args: argparse.Namespace, num_requests: int) -> BenchConfig:
         endpoint=args.endpoint,
         api_key=args.api_key,
         ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
         timeout_s=args.timeout,
         max_concurrency=args.max_concurrency,
     )

@@ -48,6 +48,8 @@ class ClientConfig:
     endpoint: Endpoint = "chat"
     api_key: str | None = None
     ignore_eos: bool = True
+    #: the bench's own requests' sampling temperature (0: greedy; a replayed body keeps its own)
+    temperature: float = 0.0
     timeout_s: float = 600.0
     max_concurrency: int | None = None
 
@@ -124,7 +126,7 @@ def build_body(cfg: ClientConfig, spec: RequestSpec) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": cfg.model,
         "max_tokens": spec.max_tokens,
-        "temperature": 0.0,
+        "temperature": cfg.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

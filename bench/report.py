@@ -6,7 +6,7 @@ report.json (schema_version 1; `comparison` became the verdict, the ratios moved
       "schema_version": 1, "created": ISO-8601 UTC, "interrupted": bool,
       "config": {"url", "model", "endpoint", "arms", "num_requests", "rates", "burstiness",
                  "input_len", "output_len", "dataset", "seed", "max_concurrency",
-                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "ignore_eos_refused",
+                 "slo_ttft_ms", "slo_tpot_ms", "ignore_eos", "temperature", "ignore_eos_refused",
                  "timeout_s", "warmups",
                  "repeats", "resamples", "equivalence_margin",
                  "replay": null | {"files", "time_scale", ...},
@@ -115,7 +115,9 @@ def _identical_answers(
     cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
 ) -> list[dict[str, Any]]:
     """Per rate and arm, the share of greedy answers equal to the baseline's (bench/answers.py)."""
-    entries = answer_agreement(result, cfg.arms, specs, first_repeat_only=cfg.multi_turn > 1)
+    entries = answer_agreement(
+        result, cfg.arms, specs, cfg.multi_turn > 1, cfg.client.temperature
+    )
     return [
         {**entry, "rate": json_rate(entry["rate"]), "sentence": agreement_sentence(entry)}
         for entry in entries
@@ -209,6 +211,7 @@ def _config_entry(cfg: BenchConfig) -> dict[str, Any]:
         "slo_ttft_ms": cfg.slo.ttft_ms,
         "slo_tpot_ms": cfg.slo.tpot_ms,
         "ignore_eos": c.ignore_eos,
+        "temperature": c.temperature,
         "ignore_eos_refused": [arm_name(a) for a in cfg.ignore_eos_refused],
         "timeout_s": c.timeout_s,
         "warmups": cfg.warmups,

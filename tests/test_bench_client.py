@@ -59,6 +59,12 @@ def test_chat_body_streams_with_usage_and_ignore_eos() -> None:
     assert body["prompt"] == "a b c" and "messages" not in body and "ignore_eos" not in body
 
 
+def test_the_bench_samples_at_its_temperature() -> None:
+    assert build_body(CFG, SPEC)["temperature"] == 0.0
+    sampled = ClientConfig(api_base="x", model="m", temperature=0.8)
+    assert build_body(sampled, SPEC)["temperature"] == 0.8
+
+
 def test_headers_carry_the_arm_and_the_key() -> None:
     keyed = ClientConfig(api_base="x", model="m", api_key="sk")
     assert build_headers(keyed, "orca")["X-Carousel-Arm"] == "orca"

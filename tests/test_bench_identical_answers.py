@@ -71,6 +71,12 @@ def test_requests_that_are_not_greedy_on_one_prompt_are_not_comparable(
     assert got["share"] is None and got["compared"] == 0
 
 
+def test_the_bench_own_requests_sampled_at_a_temperature_are_not_comparable() -> None:
+    assert comparable_requests(SPECS) == ({0, 1, 2, 3}, None)
+    indices, reason = comparable_requests(SPECS, temperature=0.8)
+    assert not indices and reason is not None and "temperature 0" in reason
+
+
 def bench_report(tmp_path: Path, opts: FakeOptions) -> dict[str, Any]:
     out = tmp_path / "out"
     with fake_server(opts) as (url, _):
