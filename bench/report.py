@@ -115,9 +115,7 @@ def _identical_answers(
     cfg: BenchConfig, specs: list[RequestSpec], result: BenchResult
 ) -> list[dict[str, Any]]:
     """Per rate and arm, the share of greedy answers equal to the baseline's (bench/answers.py)."""
-    entries = answer_agreement(
-        result, cfg.arms, specs, cfg.multi_turn > 1, cfg.client.temperature
-    )
+    entries = answer_agreement(result, cfg.arms, specs, cfg.multi_turn > 1, cfg.client.temperature)
     return [
         {**entry, "rate": json_rate(entry["rate"]), "sentence": agreement_sentence(entry)}
         for entry in entries
