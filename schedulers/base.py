@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from schedulers import defaults
 from schedulers.batch import Batch, ExecuteOutput
-from schedulers.block_manager import BlockManager, PrefixHit, blocks_for
+from schedulers.block_manager import BlockManager, PrefixHit
 from schedulers.sequence import (
     QUEUE_TIMEOUT,
     FinishReason,
@@ -119,7 +119,7 @@ class Scheduler(abc.ABC):
                 "the prompt or max_tokens."
             )
         bm = self.block_manager
-        if blocks_for(total, bm.block_size) > bm.num_blocks:
+        if bm.max_blocks(total) > bm.num_blocks:
             raise AdmissionError(
                 f"The request needs {total} tokens of KV cache but the whole cache holds "
                 f"{bm.num_blocks * bm.block_size}. Please reduce the prompt or max_tokens."

@@ -5,6 +5,19 @@ block whose slots are all computed is registered under a hash of its token ids c
 its parent block's hash; a later sequence whose tokens start the same way takes a reference
 on it instead of computing it again. A registered block whose last holder frees it stays
 cached (evictable) until an allocation needs the space, least recently used first.
+
+KV cache groups (vLLM's hybrid KV cache manager): a model whose layers attend either to
+everything or to a sliding window (Gemma 2 and 3, ...) keeps its sliding layers' K/V in
+blocks of their own. The backend splits the layers into groups of equally many (its
+`KVCacheSpec.windows`); every block of the pool holds one group's layers, so a sequence has a
+block table per group: `block_table` for the full-attention layers, `window_tables[g]` for
+sliding group g. A window table drops (`NO_BLOCK`) the blocks that lie wholly before the
+window of the next token to compute, so a long sequence holds its window's blocks there, not
+its whole context. Dropped blocks stay cached like any other; a prefix hit needs, in each
+window group, the blocks of the window before its end (the earlier ones are never read). A
+window group's cached block is anchored to the full group's cached block of the same tokens
+(its `parent`): a hit takes it only beside that block, found through the chain of parents,
+so a hash collision costs a miss there too; and it is uncached when its anchor is evicted.
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ from schedulers.sequence import Sequence
 
 #: the parent hash of a sequence's first block
 ROOT_HASH = 0
+#: a window table's entry for a block dropped out of the window (never read: it is masked)
+NO_BLOCK = -1
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -39,11 +54,14 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 class PrefixHit(NamedTuple):
     """The longest cached prefix of a sequence: its block ids and the tokens they hold.
 
-    Valid until the block manager next changes (allocate, append, free, cache_full_blocks).
+    `window_block_ids[g]`: window group g's blocks of the hit's last window (the table's
+    entries from `window_start`, the ones before it dropped). Valid until the block manager
+    next changes (allocate, append, free, cache_full_blocks).
     """
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    window_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 NO_HIT = PrefixHit((), 0)
@@ -55,7 +73,10 @@ class _CachedBlock:
 
     block_hash: int
     token_ids: tuple[int, ...]
-    parent: int | None  # the block id before it in the prefix; None for a first block
+    #: the block id before it in the prefix (None for a first block); in a window group, the
+    #: full group's block of the same tokens (its anchor)
+    parent: int | None
+    group: int = 0  # its KV cache group (0: the full-attention layers')
 
 
 class BlockManager:
@@ -78,17 +99,25 @@ class BlockManager:
         block_size: int = defaults.BLOCK_SIZE,
         *,
         enable_prefix_caching: bool = False,
+        windows: tuple[int, ...] = (),
     ) -> None:
+        """`windows`: the sliding window (tokens) of each window group (module docstring);
+        (): one group, every layer full attention."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if any(w < 1 for w in windows):
+            raise ValueError(f"sliding windows must be positive, got {windows}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.windows = windows
         self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))  # no KV worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, least recent first
         self._ref_counts = [0] * num_blocks
         self._cached: dict[int, _CachedBlock] = {}  # registered block id -> what it holds
         self._by_hash: dict[int, int] = {}  # block hash -> registered block id
+        self._window_by_hash: list[dict[int, int]] = [{} for _ in windows]  # per window group
+        self._anchored: dict[int, list[int]] = {}  # full group block -> window blocks on it
         self._num_registered: dict[int, int] = {}  # seq_id -> leading table blocks handled
         #: tokens looked up at admission, and of those found in the cache (cumulative)
         self.prefix_cache_queries = 0
@@ -140,7 +169,8 @@ class BlockManager:
                 break
             block_ids.append(block_id)
             parent = block_id
-        return PrefixHit(tuple(block_ids), len(block_ids) * bs)
+        hit = PrefixHit(tuple(block_ids), len(block_ids) * bs)
+        return self._window_hit(seq, hit, hashes) if self.windows else hit
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks `seq` has newly filled; call after `num_computed_tokens` grows.
@@ -170,6 +200,8 @@ class BlockManager:
                 self._release(table[i])
                 table[i] = existing
             # else another prefix holds this hash: the block stays private, uncached
+        for group, window_table in enumerate(seq.window_tables):
+            self._cache_window_blocks(seq, group, window_table, start, num_full, hashes)
         self._num_registered[seq.seq_id] = num_full
 
     # -- allocation ----------------------------------------------------------------------------
@@ -182,11 +214,22 @@ class BlockManager:
         With `prefix` (a hit for a sequence holding no blocks), its blocks are not counted,
         except cached ones no one holds: taking them takes them out of the free count too.
         """
+        num_blocks = blocks_for(num_tokens, self.block_size)
         if prefix is None:
-            return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+            needed = max(0, num_blocks - len(seq.block_table))
+            if not self.windows:
+                return needed
+            tables = seq.window_tables or [[] for _ in self.windows]
+            computed = seq.num_computed_tokens
+            for group, table in enumerate(tables):  # a dropped block frees one for the next
+                needed += max(0, num_blocks - len(table)) - self._droppable(group, table, computed)
+            return max(0, needed)
         self._check_prefix(seq, num_tokens, prefix)
-        revived = sum(1 for b in prefix.block_ids if self._ref_counts[b] == 0)
-        return blocks_for(num_tokens, self.block_size) - len(prefix.block_ids) + revived
+        held = len(prefix.block_ids)
+        needed = 0
+        for ids in (prefix.block_ids, *prefix.window_block_ids):
+            needed += num_blocks - held + sum(1 for b in ids if self._ref_counts[b] == 0)
+        return needed + (num_blocks - held) * (len(self.windows) - len(prefix.window_block_ids))
 
     def can_allocate(self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         return self.num_new_blocks(seq, num_tokens, prefix) <= self.num_free_blocks
@@ -203,9 +246,13 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: need {needed}, have {self.num_free_blocks}")
         if prefix is not None:
             self._start_from(seq, prefix)
-        table = seq.block_table
-        while len(table) < blocks_for(num_tokens, self.block_size):
-            table.append(self._take_free_block())
+        if self.windows and not seq.window_tables:
+            seq.window_tables = [[] for _ in self.windows]
+        self._drop_out_of_window(seq)
+        num_blocks = blocks_for(num_tokens, self.block_size)
+        for table in (seq.block_table, *seq.window_tables):
+            while len(table) < num_blocks:
+                table.append(self._take_free_block())
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether one more slot (the next decode token) fits."""
@@ -223,8 +270,107 @@ class BlockManager:
         table = seq.block_table
         for block_id in reversed(table) if self.enable_prefix_caching else table:
             self._release(block_id)
+        for window_table in seq.window_tables:  # the window's end, a hit's need, kept longest
+            for block_id in window_table:
+                if block_id != NO_BLOCK:
+                    self._release(block_id)
         seq.block_table = []
+        seq.window_tables = []
         self._num_registered.pop(seq.seq_id, None)
+
+    # -- window groups -------------------------------------------------------------------------
+
+    def window_start(self, group: int, position: int) -> int:
+        """The first block of window group `group` a token at `position` reads (the one
+        holding its window's first key, `position - window + 1`)."""
+        return max(0, (position - self.windows[group] + 1) // self.block_size)
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens can hold: every group's, as when
+        its whole prompt runs in one step (no window block dropped yet)."""
+        return blocks_for(num_tokens, self.block_size) * (1 + len(self.windows))
+
+    def _droppable(self, group: int, table: list[int], computed: int) -> int:
+        """Blocks that dropping `table`'s blocks before the window of position `computed`
+        frees (those no other table holds)."""
+        i = min(self.window_start(group, computed), len(table)) - 1
+        count = 0
+        while i >= 0 and table[i] != NO_BLOCK:  # dropped blocks are always a leading run
+            count += self._ref_counts[table[i]] == 1
+            i -= 1
+        return count
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Release each window table's blocks before the next token's window (its cached
+        ones stay cached)."""
+        computed = seq.num_computed_tokens
+        for group, table in enumerate(seq.window_tables):
+            i = min(self.window_start(group, computed), len(table)) - 1
+            while i >= 0 and table[i] != NO_BLOCK:
+                self._release(table[i])
+                table[i] = NO_BLOCK
+                i -= 1
+
+    def _window_lookup(self, group: int, seq: Sequence, i: int, anchor: int) -> int | None:
+        """Window group `group`'s registered block holding `seq`'s block `i` beside the full
+        group's block `anchor`, if any (`seq.block_hashes` covering it)."""
+        block_id = self._window_by_hash[group].get(seq.block_hashes[i])
+        if block_id is None:
+            return None
+        cached = self._cached[block_id]
+        if cached.parent != anchor or cached.token_ids != self._tokens_of(seq, i):
+            return None
+        return block_id
+
+    def _window_hit(self, seq: Sequence, hit: PrefixHit, hashes: list[int]) -> PrefixHit:
+        """`hit` cut to its longest prefix whose last window every window group caches."""
+        bs = self.block_size
+        found: dict[tuple[int, int], int | None] = {}
+        for m in range(len(hit.block_ids), 0, -1):
+            groups: list[tuple[int, ...]] = []
+            for group in range(len(self.windows)):
+                ids = []
+                for i in range(self.window_start(group, m * bs), m):
+                    if (group, i) not in found:
+                        found[group, i] = self._window_lookup(group, seq, i, hit.block_ids[i])
+                    block_id = found[group, i]
+                    if block_id is None:
+                        break
+                    ids.append(block_id)
+                else:
+                    groups.append(tuple(ids))
+                    continue
+                break
+            if len(groups) == len(self.windows):
+                return PrefixHit(hit.block_ids[:m], m * bs, tuple(groups))
+        return NO_HIT
+
+    def _cache_window_blocks(
+        self,
+        seq: Sequence,
+        group: int,
+        table: list[int],
+        start: int,
+        num_full: int,
+        hashes: list[int],
+    ) -> None:
+        """`cache_full_blocks` for window group `group`'s table: only beside a cached block of
+        the full group (its anchor)."""
+        index = self._window_by_hash[group]
+        for i in range(start, min(num_full, len(table))):
+            block_id, anchor = table[i], seq.block_table[i]
+            if block_id == NO_BLOCK or anchor not in self._cached:
+                continue
+            existing = index.get(hashes[i])
+            if existing is None:
+                tokens = self._tokens_of(seq, i)
+                self._cached[block_id] = _CachedBlock(hashes[i], tokens, anchor, group + 1)
+                self._anchored.setdefault(anchor, []).append(block_id)
+                index[hashes[i]] = block_id
+            elif existing != block_id and self._window_lookup(group, seq, i, anchor) is not None:
+                self._take_ref(existing)
+                self._release(block_id)
+                table[i] = existing
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -258,17 +404,33 @@ class BlockManager:
             raise ValueError(f"{num_tokens} slots do not cover the {prefix.num_tokens}-token hit")
         if prefix.num_tokens != len(prefix.block_ids) * self.block_size:
             raise ValueError("a prefix hit is made of whole blocks")
+        if prefix.block_ids and len(prefix.window_block_ids) != len(self.windows):
+            raise ValueError("a prefix hit names the blocks of every window group")
         parent: int | None = None
         for i, block_id in enumerate(prefix.block_ids):
             block_hash = self._block_hashes(seq, i + 1)[i]
             if self._lookup(block_hash, self._tokens_of(seq, i), parent) != block_id:
                 raise RuntimeError(f"stale prefix hit for seq {seq.seq_id}: look it up again")
             parent = block_id
+        held = len(prefix.block_ids)
+        for group, ids in enumerate(prefix.window_block_ids):
+            first = held - len(ids)
+            if first != self.window_start(group, prefix.num_tokens) or any(
+                self._window_lookup(group, seq, first + j, prefix.block_ids[first + j]) != b
+                for j, b in enumerate(ids)
+            ):
+                raise RuntimeError(f"stale prefix hit for seq {seq.seq_id}: look it up again")
 
     def _start_from(self, seq: Sequence, prefix: PrefixHit) -> None:
         for block_id in prefix.block_ids:
             self._take_ref(block_id)
         seq.block_table = list(prefix.block_ids)
+        held = len(prefix.block_ids)
+        windows = prefix.window_block_ids or tuple(() for _ in self.windows)
+        seq.window_tables = [[NO_BLOCK] * (held - len(ids)) + list(ids) for ids in windows]
+        for ids in windows:
+            for block_id in ids:
+                self._take_ref(block_id)
         seq.num_computed_tokens = prefix.num_tokens
         self._num_registered[seq.seq_id] = len(prefix.block_ids)
         if self.enable_prefix_caching:
@@ -296,9 +458,29 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)
             # NOTE: it has no cached child: a child's holders hold its parent, and a parent
             # is freed after its children, so it is always the more recently used
-            del self._by_hash[self._cached.pop(block_id).block_hash]
+            self._uncache(block_id)
         self._ref_counts[block_id] = 1
         return block_id
+
+    def _uncache(self, block_id: int) -> None:
+        """Forget what `block_id` caches (evicted); a full group block's anchored window
+        blocks go with it (a held one stays held, uncached; an evictable one is free)."""
+        cached = self._cached.pop(block_id)
+        if cached.group == 0:
+            del self._by_hash[cached.block_hash]
+            for window_block in self._anchored.pop(block_id, ()):
+                window = self._cached.pop(window_block)
+                del self._window_by_hash[window.group - 1][window.block_hash]
+                if self._ref_counts[window_block] == 0:
+                    del self._evictable[window_block]
+                    self._free.append(window_block)
+            return
+        del self._window_by_hash[cached.group - 1][cached.block_hash]
+        assert cached.parent is not None
+        anchored = self._anchored[cached.parent]
+        anchored.remove(block_id)
+        if not anchored:
+            del self._anchored[cached.parent]
 
     # -- checks --------------------------------------------------------------------------------
 
@@ -325,15 +507,29 @@ class BlockManager:
             self._check_holders(list(holders))
 
     def _check_cache(self, evictable: list[int]) -> None:
-        _require(len(self._by_hash) == len(self._cached), "hash index out of step")
+        indexes = [self._by_hash, *self._window_by_hash]
+        _require(sum(map(len, indexes)) == len(self._cached), "hash index out of step")
         _require(
-            all(self._cached[b].block_hash == h for h, b in self._by_hash.items()),
+            all(
+                self._cached[b].block_hash == h and self._cached[b].group == group
+                for group, index in enumerate(indexes)
+                for h, b in index.items()
+            ),
             "a hash names the wrong block",
         )
         lru_rank = {b: rank for rank, b in enumerate(evictable)}
         for block_id, cached in self._cached.items():
             _require(len(cached.token_ids) == self.block_size, "a partial block is cached")
             parent = cached.parent
+            if cached.group:  # a window group's: anchored beside a full group block
+                anchor = self._cached.get(parent) if parent is not None else None
+                _require(
+                    anchor is not None and anchor.group == 0
+                    and anchor.token_ids == cached.token_ids
+                    and block_id in self._anchored.get(parent, ()),  # type: ignore[arg-type]
+                    f"window block {block_id} lost its anchor",
+                )  # fmt: skip
+                continue
             if parent is None:
                 continue
             _require(parent in self._cached, f"cached block {block_id} lost its parent")
@@ -341,13 +537,29 @@ class BlockManager:
             if block_id in lru_rank and parent in lru_rank:
                 _require(lru_rank[parent] > lru_rank[block_id], "a parent would evict first")
 
+    def _check_window_tables(self, seq: Sequence, counts: collections.Counter[int]) -> None:
+        _require(
+            not seq.window_tables or len(seq.window_tables) == len(self.windows),
+            f"seq {seq.seq_id} has a table per window group",
+        )
+        for group, table in enumerate(seq.window_tables):
+            _require(len(table) == len(seq.block_table), "a window table of another length")
+            _check_window_table(self, seq, group, table, counts)
+
     def _check_holders(self, holders: list[Sequence]) -> None:
-        counts = collections.Counter(b for seq in holders for b in seq.block_table)
+        counts = collections.Counter(
+            b
+            for seq in holders
+            for table in (seq.block_table, *seq.window_tables)
+            for b in table
+            if b != NO_BLOCK
+        )
         _require(
             all(counts[b] == self._ref_counts[b] for b in range(self.num_blocks)),
             "reference counts differ from the block tables",
         )
         for seq in holders:
+            self._check_window_tables(seq, counts)
             table = seq.block_table
             _require(len(set(table)) == len(table), f"seq {seq.seq_id} holds a block twice")
             num_full = seq.num_computed_tokens // self.block_size
@@ -368,3 +580,31 @@ class BlockManager:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise AssertionError(message)
+
+
+def _check_window_table(
+    bm: BlockManager, seq: Sequence, group: int, table: list[int], counts: collections.Counter[int]
+) -> None:
+    """`_check_holders` for one of `seq`'s window tables: dropped blocks a leading run, no
+    block twice, written blocks its own, cached ones holding its tokens after its prefix."""
+    real = [b for b in table if b != NO_BLOCK]
+    _require(
+        table[len(table) - len(real) :] == real, f"seq {seq.seq_id} dropped a block mid-window"
+    )
+    _require(len(set(real)) == len(real), f"seq {seq.seq_id} holds a window block twice")
+    num_full = seq.num_computed_tokens // bm.block_size
+    for i, block_id in enumerate(table):
+        if block_id == NO_BLOCK:
+            continue
+        cached = bm._cached.get(block_id)
+        if i >= num_full:
+            _require(cached is None and counts[block_id] == 1, "a writable window block shared")
+        elif cached is not None:
+            _require(
+                cached.group == group + 1
+                and cached.token_ids == bm._tokens_of(seq, i)
+                and cached.parent == seq.block_table[i],
+                f"seq {seq.seq_id} holds a cached window block of another prefix",
+            )
+        else:
+            _require(counts[block_id] == 1, "an uncached window block shared")

@@ -66,6 +66,8 @@ class Sequence:
     error: str | None = None
     error_code: str | None = None
     block_table: list[int] = field(default_factory=list)
+    #: one block table per window group of the KV cache (block_manager.py; empty: one group)
+    window_tables: list[list[int]] = field(default_factory=list)
     #: chained hashes of the full token blocks (prompt + output), filled lazily by the block
     #: manager when prefix caching is on; tokens are only ever appended, so they stay valid
     block_hashes: list[int] = field(default_factory=list)

@@ -4,7 +4,9 @@ The machine plays scheduler and backend: it admits through the prefix cache, all
 chunks, "computes" them by recording in a model of the KV cache which token prefix each
 slot's KV was computed from, and samples tokens. After every step the block accounting must
 hold, every computed slot of every sequence must hold KV of that sequence's own prefix (so
-a hit never serves wrong KV) and no two sequences may write the same block.
+a hit never serves wrong KV) and no two sequences may write the same block. The window
+variant adds a sliding-window group (block_manager.py's KV cache groups): each window table
+must hold its own prefix's KV over the next token's window, whatever it dropped before it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from schedulers.block_manager import BlockManager
+from schedulers.block_manager import NO_BLOCK, BlockManager
 from schedulers.sampling_params import SamplingParams
 from schedulers.sequence import Sequence
 
@@ -34,9 +36,15 @@ MACHINE_SETTINGS = settings(max_examples=200, stateful_step_count=80, deadline=N
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
+    #: the window groups' sliding windows, and the pool they share with the full group
+    WINDOWS: tuple[int, ...] = ()
+    NUM_BLOCKS = NUM_BLOCKS
+
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True)
+        self.bm = BlockManager(
+            self.NUM_BLOCKS, BS, enable_prefix_caching=True, windows=self.WINDOWS
+        )
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # every sequence holding blocks
         self.scheduled: dict[int, int] = {}  # seq_id -> tokens allocated for the next step
@@ -93,7 +101,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         tokens = seq.all_token_ids()
         start = seq.num_computed_tokens
         for pos in range(start, start + num_tokens):
-            self.kv[(seq.block_table[pos // BS], pos % BS)] = tuple(tokens[: pos + 1])
+            for table in (seq.block_table, *seq.window_tables):
+                assert table[pos // BS] != NO_BLOCK, (seq.seq_id, pos)
+                self.kv[(table[pos // BS], pos % BS)] = tuple(tokens[: pos + 1])
         seq.num_computed_tokens += num_tokens
         self.bm.cache_full_blocks(seq)
         if seq.num_computed_tokens < seq.num_tokens:
@@ -136,7 +146,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def accounting_holds(self) -> None:
         self.bm.check_invariants(self.running)
-        assert all(not s.block_table for s in self.waiting)
+        assert all(not s.block_table and not s.window_tables for s in self.waiting)
+
+    @invariant()
+    def every_window_holds_its_own_prefix(self) -> None:
+        for seq in self.running:
+            tokens, computed = seq.all_token_ids(), seq.num_computed_tokens
+            for window, table in zip(self.WINDOWS, seq.window_tables, strict=True):
+                for pos in range(max(0, computed - window + 1), computed):
+                    slot = (table[pos // BS], pos % BS)
+                    assert self.kv.get(slot) == tuple(tokens[: pos + 1]), (seq.seq_id, pos)
 
     @invariant()
     def every_computed_slot_holds_its_own_prefix(self) -> None:
@@ -151,13 +170,27 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         written: dict[int, int] = {}
         for seq in self.running:
             start, num_tokens = seq.num_computed_tokens, self.scheduled.get(seq.seq_id, 1)
-            for pos in range(start, start + num_tokens):
-                block = seq.block_table[pos // BS] if pos // BS < len(seq.block_table) else None
+            for pos, table in itertools.product(
+                range(start, start + num_tokens), (seq.block_table, *seq.window_tables)
+            ):
+                block = table[pos // BS] if pos // BS < len(table) else None
                 if block is None:
                     continue  # the next decode slot, not allocated yet
                 assert written.setdefault(block, seq.seq_id) == seq.seq_id, (block, seq.seq_id)
-                others = [s for s in self.running if s is not seq and block in s.block_table]
+                others = [s for s in self.running if s is not seq and _holds(s, block)]
                 assert not others, (block, seq.seq_id)
+
+
+def _holds(seq: Sequence, block: int) -> bool:
+    return any(block in table for table in (seq.block_table, *seq.window_tables))
+
+
+class WindowPrefixCacheMachine(PrefixCacheMachine):
+    """Two window groups of 3 and 4 tokens (a block and a half, two blocks) beside the full
+    group, over a pool big enough for a few sequences of all three."""
+
+    WINDOWS = (3, 4)
+    NUM_BLOCKS = 16
 
 
 def test_prefix_cache_under_random_interleavings() -> None:
@@ -170,3 +203,15 @@ def test_prefix_cache_under_random_interleavings_with_colliding_hashes() -> None
 
     with mock.patch("schedulers.block_manager.hash_block_tokens", weak_hash):
         run_state_machine_as_test(PrefixCacheMachine, settings=MACHINE_SETTINGS)
+
+
+def test_window_groups_under_random_interleavings() -> None:
+    run_state_machine_as_test(WindowPrefixCacheMachine, settings=MACHINE_SETTINGS)
+
+
+def test_window_groups_under_random_interleavings_with_colliding_hashes() -> None:
+    def weak_hash(parent: int, token_ids: tuple[int, ...]) -> int:
+        return sum(token_ids) % 3
+
+    with mock.patch("schedulers.block_manager.hash_block_tokens", weak_hash):
+        run_state_machine_as_test(WindowPrefixCacheMachine, settings=MACHINE_SETTINGS)

@@ -66,7 +66,7 @@ class Drafter:
             granted = fit_fast_rows(granted, batch.total_tokens, fast.rows, fast.speedup, p)
         for (i, drafts), count in zip(proposals, granted, strict=True):
             seq = batch.seqs[i]
-            count = min(count, _kv_room(seq, block_manager))
+            count = _kv_room(seq, block_manager, count)
             if count:
                 block_manager.allocate(seq, seq.num_computed_tokens + 1 + count)
                 batch.add_drafts(i, drafts[:count])
@@ -96,7 +96,9 @@ def _decodes(batch: Batch, i: int) -> bool:
     return own == 1 and batch.num_scheduled_tokens[i] == 1 and seq.num_output_tokens > 0
 
 
-def _kv_room(seq: Sequence, block_manager: BlockManager) -> int:
-    """The most drafts `seq`'s blocks and the free ones can hold after its own token."""
-    slots = (len(seq.block_table) + block_manager.num_free_blocks) * block_manager.block_size
-    return max(0, slots - seq.num_computed_tokens - 1)
+def _kv_room(seq: Sequence, block_manager: BlockManager, want: int) -> int:
+    """The most drafts, up to `want`, that `seq`'s blocks and the free ones can hold after
+    its own token (every KV cache group's blocks counted)."""
+    while want and not block_manager.can_allocate(seq, seq.num_computed_tokens + 1 + want):
+        want -= 1
+    return want
