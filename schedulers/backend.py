@@ -20,8 +20,12 @@ class KVCacheSpec:
 
     num_blocks: int
     block_size: int
-    #: K and V bytes of one block over every layer (0: the backend holds no tensors, the sim)
+    #: K and V bytes of one block over every layer of its group (0: the backend holds no
+    #: tensors, the sim)
     bytes_per_block: int = 0
+    #: the sliding window (tokens) of each window group of the KV cache (block_manager.py's
+    #: KV cache groups); (): one group, every block holding every layer
+    windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ class Engine:
             spec.num_blocks,
             spec.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            windows=spec.windows,
         )
         self.scheduler = create_scheduler(
             scheduler, self.config, self.block_manager, policy_options

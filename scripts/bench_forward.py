@@ -55,7 +55,7 @@ class DecodeBatch:
     def __init__(self, backend: TorchBackend, batch: int, prompt_len: int, max_steps: int) -> None:
         self.backend = backend
         spec = backend.kv_cache_spec
-        self.block_manager = BlockManager(spec.num_blocks, spec.block_size)
+        self.block_manager = BlockManager(spec.num_blocks, spec.block_size, windows=spec.windows)
         params = SamplingParams(max_tokens=max_steps + 1, temperature=0.0, ignore_eos=True)
         self.seqs = [
             Sequence(i, f"b{i}", torch.randint(100, 1000, (prompt_len,)).tolist(), params)

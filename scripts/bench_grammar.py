@@ -271,7 +271,7 @@ def decode(batch_size: int, steps: int, repeats: int) -> None:
 
     def run(constrained: bool) -> float:
         spec = backend.kv_cache_spec
-        bm = BlockManager(spec.num_blocks, spec.block_size)
+        bm = BlockManager(spec.num_blocks, spec.block_size, windows=spec.windows)
         params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         seqs = [
             Sequence(i, f"b{i}", torch.randint(100, 1000, (64,)).tolist(), params)

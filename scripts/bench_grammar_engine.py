@@ -140,7 +140,7 @@ def steps_interleaved(
 ) -> None:
     """The default mode (see the module docstring)."""
     spec = backend.kv_cache_spec
-    block_manager = BlockManager(spec.num_blocks, spec.block_size)
+    block_manager = BlockManager(spec.num_blocks, spec.block_size, windows=spec.windows)
     config = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=8192)
     sides: dict[str, Scheduler] = {}
     for name, constrained in (("constrained", True), ("unconstrained", False)):

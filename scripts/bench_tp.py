@@ -104,7 +104,7 @@ def step_times(
             max_num_seqs=batch,
         )  # fmt: skip
     spec = backend.kv_cache_spec
-    blocks = BlockManager(spec.num_blocks, spec.block_size)
+    blocks = BlockManager(spec.num_blocks, spec.block_size, windows=spec.windows)
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     seqs = [Sequence(i, f"b{i}", [(7 * i + j) % 1000 for j in range(PROMPT_LEN)], params)
             for i in range(batch)]  # fmt: skip

@@ -1,7 +1,8 @@
 """Gemma 3 270M served for real (issue 50): the base model through `/v1/completions`, on the
 generic path (`--model-impl auto` picks it: Gemma 3 is no native family), greedy in fp32 under
 orca and static, token for token what HF `generate` continues, BOS included as HF's tokenizer
-and llama.cpp add it. Skips without the package unless CAROUSEL_REQUIRE_GEMMA3=1 (CI)."""
+and llama.cpp add it; one prompt outruns the sliding window. Skips without the package unless
+CAROUSEL_REQUIRE_GEMMA3=1 (CI)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.serve_process import carousel_serve
 from tests.test_gemma3_package import gemma_dir  # noqa: F401
 
-PROMPTS = ["def fibonacci(n):", "Once upon a time", "The capital of France is"]
+#: the last is longer than the 512-token window: its sliding layers drop the blocks behind it
+#: (kv_cache.py's groups) once it decodes
+PROMPTS = [
+    "def fibonacci(n):", "Once upon a time", "The capital of France is",
+    "Count on: " + " ".join(str(i) for i in range(200)),
+]  # fmt: skip
 MAX_TOKENS = 12
 CONFIG = """model: gemma-3-270m
 dtype: float32

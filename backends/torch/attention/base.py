@@ -63,6 +63,9 @@ class BatchLayout:
     decode_indices: torch.Tensor  # (D,) int64, sequences with exactly one new token
     decode_max_blocks: int  # widest block table among the decodes
     prefill_indices: tuple[int, ...]  # sequences with more than one new token
+    #: the same step in each window group of a KV cache with groups (kv_cache.py's
+    #: `KVGroups`): its own block tables and slots, the rest shared; () with one group
+    groups: tuple[BatchLayout, ...] = ()
 
     @property
     def num_seqs(self) -> int:

@@ -50,11 +50,14 @@ class LayerCall:
 
 @dataclass(frozen=True)
 class Step:
-    """One forward's attention state, handed down the model's kwargs."""
+    """One forward's attention state, handed down the model's kwargs: the backend's metadata
+    for each KV cache group (kv_cache.py's `KVGroups`; one without groups) and each cache
+    layer's group."""
 
     backend: AttentionBackend[Any]
-    meta: AttentionMetadata
+    metas: tuple[AttentionMetadata, ...]
     layers: dict[int, LayerCall]  # by the HF module's `layer_idx`
+    group_of: tuple[int, ...]  # by cache layer
 
     def attend(
         self,
@@ -67,16 +70,17 @@ class Step:
         """Attention output (1, N, nh, hd) of layer `module` for its (1, n, N, hd) Q/K/V."""
         layer = self.layers[cast(int, module.layer_idx)]
         check_call(layer, call)
+        meta = self.metas[self.group_of[layer.index]]
         q = query[0].transpose(0, 1).contiguous()  # (N, nh, hd)
         k = key[0].transpose(0, 1)  # (N, nkv, hd)
         v = value[0].transpose(0, 1)
-        self.backend.write_kv(layer.index, k, v, self.meta)
+        self.backend.write_kv(layer.index, k, v, meta)
         if layer.softcap is not None:
             out = softcap_attention(
-                self.backend.kv_cache, layer.index, layer.spec, layer.softcap, q, self.meta.layout
+                self.backend.kv_cache, layer.index, layer.spec, layer.softcap, q, meta.layout
             )
         else:
-            out = self.backend.attend(layer.index, q, k.contiguous(), v.contiguous(), self.meta)
+            out = self.backend.attend(layer.index, q, k.contiguous(), v.contiguous(), meta)
         return out[None]  # (1, N, nh, hd)
 
 

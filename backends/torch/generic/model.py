@@ -92,6 +92,11 @@ class TransformersCausalLM:
         self.kv_cache = kv_cache
         self.layers = layers
         self.specs = specs_of(layers)
+        groups = kv_cache.layout.groups
+        self._num_groups = kv_cache.layout.num_groups
+        self._group_of = tuple(
+            0 if groups is None else groups.group_of(i) for i in range(len(self.specs))
+        )
         self.device = kv_cache.k[0].device
         self.attention = create_backend(
             config.attention_backend, kv_cache, self.specs, self.device, native=config.cpu_kernels
@@ -126,7 +131,14 @@ class TransformersCausalLM:
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B', V) at the last scheduled token of sequences `logits_indices` (all)."""
-        step = Step(self.attention, self.attention.build_metadata(layout), self.layers)
+        if len(layout.groups) != self._num_groups - 1:
+            raise RuntimeError(
+                f"the KV cache has {self._num_groups} groups, the step's layout "
+                f"{len(layout.groups) + 1}: schedule it with BlockManager(windows="
+                "KVCacheSpec.windows), whose window tables give each group its blocks"
+            )
+        metas = tuple(self.attention.build_metadata(g) for g in (layout, *layout.groups))
+        step = Step(self.attention, metas, self.layers, self._group_of)
         last = layout.cu_seqlens_q[1:] - 1  # (B,)
         if logits_indices is not None:
             last = last[logits_indices]

@@ -19,6 +19,7 @@ serve, swapped in between two steps (kernel_switch.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,8 +27,16 @@ from transformers import PreTrainedModel
 
 from backends.torch import kernels
 from backends.torch.attention import backend_class
+from backends.torch.attention.base import AttentionSpec
 from backends.torch.config import AUTO, TorchBackendConfig
-from backends.torch.kv_cache import KVCache, KVLayout, kv_budget_bytes, plan_num_blocks
+from backends.torch.kv_cache import (
+    KVCache,
+    KVGroups,
+    KVLayout,
+    kv_budget_bytes,
+    kv_groups,
+    plan_num_blocks,
+)
 from backends.torch.linears import Placement
 from backends.torch.loader import (
     checkpoint_dtype,
@@ -147,6 +156,7 @@ class TorchBackend(Backend):
             head_dim=specs[0].head_dim,
             block_size=config.block_size,
             dtype=self.dtype,
+            groups=self._kv_groups(specs, config),
         )
         budget = kv_budget_bytes(self.device, config.kv_cache_gb, config.kv_cache_fraction)
         num_blocks = self._num_kv_blocks(kv_layout, budget, config.max_num_seqs)  # TP: agreed
@@ -259,6 +269,16 @@ class TorchBackend(Backend):
             return None
         return cuda_capturer(self.device)
 
+    def _kv_groups(
+        self, specs: Sequence[AttentionSpec], config: TorchBackendConfig
+    ) -> KVGroups | None:
+        """The KV cache groups of a model on the generic path whose sliding layers may keep
+        only their window's blocks (kv_cache.py; None: one group). One device only: tensor
+        parallelism's ranks rebuild each step's layout from the broadcast main tables."""
+        if not self.builder.generic or config.tensor_parallel_size > 1:
+            return None
+        return kv_groups([spec.sliding_window for spec in specs])
+
     def _placement(self) -> Placement | None:
         """Tensor parallelism's placement of this rank's projections (parallel/rank.py);
         None: the whole model on one device."""
@@ -306,7 +326,11 @@ class TorchBackend(Backend):
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         cache = self.kv_cache
-        return KVCacheSpec(cache.num_blocks, cache.block_size, cache.layout.bytes_per_block)
+        groups = cache.layout.groups
+        windows = () if groups is None else groups.sliding_windows
+        return KVCacheSpec(
+            cache.num_blocks, cache.block_size, cache.layout.bytes_per_block, windows
+        )
 
     def execute(self, batch: Batch) -> ExecuteOutput:
         """Run `batch` on the process's one device thread (runner/device_thread.py)."""

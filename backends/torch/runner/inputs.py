@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from backends.torch.attention.base import BatchLayout
 from backends.torch.runner.verify_rows import verify_rows
+from backends.torch.runner.window_layouts import window_layouts
 from schedulers.batch import Batch
 from schedulers.block_manager import blocks_for
 
@@ -52,6 +55,11 @@ def prepare_inputs(batch: Batch, block_size: int, device: torch.device) -> Model
     layout = build_layout(
         cu_seqlens_q, torch.tensor(ctx_lens), slot_mapping, block_tables, block_size, device
     )
+    groups = window_layouts(
+        layout, seqs, np.asarray(widths), seq_of_token.numpy(), positions.numpy(), bs, 0
+    )
+    if groups:
+        layout = dataclasses.replace(layout, groups=groups)
     return ModelInput(
         input_ids=torch.tensor(token_ids, device=device),
         positions=positions.to(device),

@@ -25,6 +25,7 @@ step after next (CPU) or the next step (a device buffer).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import torch
 from backends.torch.attention.base import BatchLayout
 from backends.torch.runner.inputs import ModelInput
 from backends.torch.runner.verify_rows import verify_rows
+from backends.torch.runner.window_layouts import window_layouts
 from schedulers import defaults
 from schedulers.batch import Batch
 from schedulers.sequence import Sequence
@@ -249,6 +251,11 @@ class InputStager:
             ),
             prefill_indices=tuple(i for i, n in enumerate(q_list) if n > 1),
         )
+        groups = window_layouts(
+            layout, seqs, blocks, seq_of_token, positions, bs, self.scratch_block
+        )
+        if groups:
+            layout = dataclasses.replace(layout, groups=groups)
         return StagedInput(
             ModelInput(on.input_ids, on.positions, layout),
             None if logits is None else on.logits_indices,

@@ -20,7 +20,7 @@ from schedulers.sequence import Sequence
 def engine_logits(backend: TorchBackend, texts: list[list[int]], prefix: int) -> list[torch.Tensor]:
     """Per text, fp32 logits (len - prefix, V) predicting tokens `prefix..len-1`."""
     spec = backend.kv_cache_spec
-    blocks = BlockManager(spec.num_blocks, spec.block_size)
+    blocks = BlockManager(spec.num_blocks, spec.block_size, windows=spec.windows)
     params = SamplingParams(max_tokens=max(map(len, texts)), ignore_eos=True)
     seqs = [Sequence(i, f"tf{i}", text[:prefix], params) for i, text in enumerate(texts)]
     rows: list[list[torch.Tensor]] = [[] for _ in texts]
@@ -65,7 +65,7 @@ def top1_agreement(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> floa
 def engine_greedy(backend: TorchBackend, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """Greedy continuations of `max_new` tokens (EOS ignored), all prompts decoding together."""
     spec = backend.kv_cache_spec
-    blocks = BlockManager(spec.num_blocks, spec.block_size)
+    blocks = BlockManager(spec.num_blocks, spec.block_size, windows=spec.windows)
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     seqs = [Sequence(i, f"g{i}", list(p), params) for i, p in enumerate(prompts)]
     for _ in range(max_new):
