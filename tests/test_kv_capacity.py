@@ -156,3 +156,12 @@ def test_carousel_serve_refuses_a_max_model_len_no_sequence_fits_in_one_line(
     [line] = [row for row in log.splitlines() if "arm_load_failed" in row]
     assert "cannot hold one 4096-token sequence (max_model_len)" in line
     assert "needs 256 blocks (4096 tokens, 2.00 MiB)" in line
+
+
+def test_a_request_holds_its_window_groups_window_beside_its_full_table() -> None:
+    # Gemma 3 270M's five window groups of window 512, 16-token blocks: an 8k request holds
+    # 512 full blocks and 33 per window group (32 for the window, one for where it ends)
+    capacity = KVCapacity(10_000, 16, 0, 8192, windows=(512,) * 5)
+    assert capacity.max_concurrency(8192) == 10_000 / (512 + 5 * 33)
+    assert capacity.max_concurrency(64) == 10_000 / (4 + 5 * 4)  # shorter than the window
+    assert capacity.log_fields()["window_groups"] == [512] * 5

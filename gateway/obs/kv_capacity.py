@@ -29,11 +29,14 @@ class KVCapacity:
     block_size: int
     nbytes: int
     max_model_len: int
+    #: the window groups' sliding windows (KVCacheSpec.windows): a block then holds one
+    #: group's layers, and a request one table of blocks per group
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, spec: KVCacheSpec, max_model_len: int) -> KVCapacity:
         nbytes = spec.num_blocks * spec.bytes_per_block
-        return cls(spec.num_blocks, spec.block_size, nbytes, max_model_len)
+        return cls(spec.num_blocks, spec.block_size, nbytes, max_model_len, spec.windows)
 
     @property
     def num_tokens(self) -> int:
@@ -51,9 +54,16 @@ class KVCapacity:
         blocks one such request holds (`ceil(context / block_size)`, a part-filled last block
         counts whole), so it equals tokens / context when the context is a whole number of
         blocks. A ratio, not a count of slots: it assumes no prefix is shared (a shared
-        prefix's blocks are held once, so more fit) and no request is shorter.
+        prefix's blocks are held once, so more fit) and no request is shorter. With window
+        groups a request holds, beside its full table, each window group's blocks of its
+        window while it decodes (`ceil(window / block_size) + 1` at most).
         """
-        return self.num_blocks / blocks_for(context_tokens, self.block_size)
+        held = blocks_for(context_tokens, self.block_size)
+        for window in self.windows:
+            held += min(
+                blocks_for(context_tokens, self.block_size), blocks_for(window, self.block_size) + 1
+            )
+        return self.num_blocks / held
 
     def log_fields(self) -> dict[str, Any]:
         """The `kv_cache` start-up log line's fields."""
@@ -64,6 +74,8 @@ class KVCapacity:
         }
         if self.nbytes:
             fields["gib"] = round(self.nbytes / GIB, 3)
+        if self.windows:
+            fields["window_groups"] = list(self.windows)
         typical = self.typical_context_tokens
         fields["max_model_len"] = self.max_model_len
         fields["max_concurrency"] = f"{self.max_concurrency(self.max_model_len):.2f}x"
