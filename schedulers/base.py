@@ -122,7 +122,8 @@ class Scheduler(abc.ABC):
         if bm.max_blocks(total) > bm.num_blocks:
             raise AdmissionError(
                 f"The request needs {total} tokens of KV cache but the whole cache holds "
-                f"{bm.num_blocks * bm.block_size}. Please reduce the prompt or max_tokens."
+                f"{bm.num_blocks * bm.block_size // (1 + len(bm.windows))}. Please reduce "
+                "the prompt or max_tokens."
             )
 
     def add(self, seq: Sequence) -> None:

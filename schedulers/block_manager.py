@@ -170,7 +170,7 @@ class BlockManager:
             block_ids.append(block_id)
             parent = block_id
         hit = PrefixHit(tuple(block_ids), len(block_ids) * bs)
-        return self._window_hit(seq, hit, hashes) if self.windows else hit
+        return self._window_hit(seq, hit) if self.windows else hit
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks `seq` has newly filled; call after `num_computed_tokens` grows.
@@ -270,7 +270,7 @@ class BlockManager:
         table = seq.block_table
         for block_id in reversed(table) if self.enable_prefix_caching else table:
             self._release(block_id)
-        for window_table in seq.window_tables:  # the window's end, a hit's need, kept longest
+        for window_table in seq.window_tables:
             for block_id in window_table:
                 if block_id != NO_BLOCK:
                     self._release(block_id)
@@ -322,7 +322,7 @@ class BlockManager:
             return None
         return block_id
 
-    def _window_hit(self, seq: Sequence, hit: PrefixHit, hashes: list[int]) -> PrefixHit:
+    def _window_hit(self, seq: Sequence, hit: PrefixHit) -> PrefixHit:
         """`hit` cut to its longest prefix whose last window every window group caches."""
         bs = self.block_size
         found: dict[tuple[int, int], int | None] = {}

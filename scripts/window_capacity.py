@@ -40,8 +40,8 @@ def sequences_held(layout: KVLayout, budget_bytes: int, context: int, chunk: int
     held: list[Sequence] = []
     for seq_id in itertools.count():
         seq = Sequence(seq_id, f"r{seq_id}", [1] * context, SamplingParams(max_tokens=1))
-        for start in range(0, context + 1, chunk):  # the prefill's chunks, then a decode
-            target = min(start + chunk, context + 1)
+        steps = [min(start + chunk, context) for start in range(0, context, chunk)]
+        for target in [*steps, context + 1]:  # the prefill's chunks, then a decode step
             if not bm.can_allocate(seq, target):
                 bm.free(seq)
                 bm.check_invariants(held)
@@ -70,14 +70,14 @@ def main() -> None:
     args = parser.parse_args()
     config = AutoConfig.from_pretrained(resolve_model(args.model)).get_text_config()
     windows = layer_windows(config)
+    groups = kv_groups(windows)
+    if groups is None:
+        raise SystemExit(f"{args.model}: no KV cache groups (layer windows {set(windows)})")
     dtype = getattr(torch, args.dtype)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = (len(windows), config.num_key_value_heads, head_dim, args.block_size, dtype)
     budget = int(args.kv_gb * GIB)
     every = sequences_held(KVLayout(*shape), budget, args.context, args.chunk)
-    groups = kv_groups(windows)
-    if groups is None:
-        raise SystemExit(f"{args.model}: no KV cache groups (layer windows {set(windows)})")
     grouped = sequences_held(KVLayout(*shape, groups), budget, args.context, args.chunk)
     sliding = sum(w is not None for w in windows)
     print(

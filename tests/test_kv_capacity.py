@@ -165,3 +165,4 @@ def test_a_request_holds_its_window_groups_window_beside_its_full_table() -> Non
     assert capacity.max_concurrency(8192) == 10_000 / (512 + 5 * 33)
     assert capacity.max_concurrency(64) == 10_000 / (4 + 5 * 4)  # shorter than the window
     assert capacity.log_fields()["window_groups"] == [512] * 5
+    assert capacity.num_tokens == 10_000 * 16 // 6  # a block holds one group's layers

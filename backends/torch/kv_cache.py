@@ -131,12 +131,13 @@ def plan_num_blocks(
     per_seq = blocks_for(max_model_len, layout.block_size) * layout.num_groups
     fit = budget_bytes // layout.bytes_per_block
     if fit < per_seq:
-        size = layout.block_size
+        size, groups = layout.block_size, layout.num_groups
         raise ValueError(
             f"the KV cache cannot hold one {max_model_len}-token sequence (max_model_len): "
             f"its budget of {_size(budget_bytes)} holds {fit} blocks of {size} tokens "
-            f"({fit * size} tokens), one sequence needs {per_seq} blocks "
-            f"({per_seq * size} tokens, {_size(per_seq * layout.bytes_per_block)}); raise "
+            f"({fit * size // groups} tokens), one sequence needs {per_seq} blocks "
+            f"({per_seq * size // groups} tokens, {_size(per_seq * layout.bytes_per_block)}); "
+            "raise "
             "kv_cache_gb (kv_cache_fraction on CUDA) or lower max_model_len"
         )
     return min(fit, per_seq * max_num_seqs)

@@ -40,8 +40,9 @@ class KVCapacity:
 
     @property
     def num_tokens(self) -> int:
-        """Token slots of the whole cache."""
-        return self.num_blocks * self.block_size
+        """Token slots of the whole cache: with window groups, the tokens it holds when every
+        group holds every token (contexts within the windows; longer ones hold more)."""
+        return self.num_blocks * self.block_size // (1 + len(self.windows))
 
     @property
     def typical_context_tokens(self) -> int:
