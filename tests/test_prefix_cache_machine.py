@@ -94,17 +94,22 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self._preempt(seq)
 
     @precondition(lambda self: self.scheduled)
-    @rule(pick=PICK, sampled=st.integers(0, 2))
-    def compute(self, pick: int, sampled: int) -> None:
+    @rule(pick=PICK, sampled=st.integers(0, 2), rejected=st.integers(0, 2))
+    def compute(self, pick: int, sampled: int, rejected: int) -> None:
+        """Compute the scheduled tokens; the last `rejected` of them as rejected drafts are:
+        their slots written with other KV and not counted computed (speculative decoding's
+        verify step allocates past what it keeps)."""
         seq = [s for s in self.running if s.seq_id in self.scheduled][pick % len(self.scheduled)]
         num_tokens = self.scheduled.pop(seq.seq_id)
+        rejected = min(rejected, num_tokens - 1)
         tokens = seq.all_token_ids()
         start = seq.num_computed_tokens
         for pos in range(start, start + num_tokens):
+            kept = pos < start + num_tokens - rejected
             for table in (seq.block_table, *seq.window_tables):
                 assert table[pos // BS] != NO_BLOCK, (seq.seq_id, pos)
-                self.kv[(table[pos // BS], pos % BS)] = tuple(tokens[: pos + 1])
-        seq.num_computed_tokens += num_tokens
+                self.kv[(table[pos // BS], pos % BS)] = tuple(tokens[: pos + 1]) if kept else ()
+        seq.num_computed_tokens += num_tokens - rejected
         self.bm.cache_full_blocks(seq)
         if seq.num_computed_tokens < seq.num_tokens:
             return  # a chunk of a prefill: nothing to sample yet
