@@ -323,25 +323,32 @@ class BlockManager:
         return block_id
 
     def _window_hit(self, seq: Sequence, hit: PrefixHit) -> PrefixHit:
-        """`hit` cut to its longest prefix whose last window every window group caches."""
+        """`hit` cut to its longest prefix whose last window every window group caches.
+
+        From the whole hit down: a window group missing block i rules out every prefix
+        whose window holds it, so the next one tried ends at block i; each block is looked
+        up at most once per group.
+        """
         bs = self.block_size
         found: dict[tuple[int, int], int | None] = {}
-        for m in range(len(hit.block_ids), 0, -1):
+        m = len(hit.block_ids)
+        while m > 0:
             groups: list[tuple[int, ...]] = []
             for group in range(len(self.windows)):
-                ids = []
-                for i in range(self.window_start(group, m * bs), m):
+                ids: list[int] = []
+                for i in range(m - 1, self.window_start(group, m * bs) - 1, -1):
                     if (group, i) not in found:
                         found[group, i] = self._window_lookup(group, seq, i, hit.block_ids[i])
                     block_id = found[group, i]
                     if block_id is None:
+                        m = i  # the longest prefix whose window leaves block i out
                         break
                     ids.append(block_id)
                 else:
-                    groups.append(tuple(ids))
+                    groups.append(tuple(reversed(ids)))
                     continue
                 break
-            if len(groups) == len(self.windows):
+            else:
                 return PrefixHit(hit.block_ids[:m], m * bs, tuple(groups))
         return NO_HIT
 
