@@ -119,3 +119,15 @@ def test_a_long_answer_keeps_only_the_windows_blocks_and_equals_hf(gemma3: torch
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_vllms_flag_keeps_every_block_and_the_same_answer(gemma3: torch.nn.Module) -> None:
+    backend = TorchBackend(
+        gemma3, tiny_tokenizer(), device="cpu", block_size=BLOCK_SIZE, max_model_len=96,
+        model_impl="transformers", disable_hybrid_kv_cache_manager=True,
+    )  # fmt: skip
+    assert backend.kv_cache_spec.windows == () and backend.kv_cache.layout.groups is None
+    prompt = [(5 * i) % 90 + 3 for i in range(30)]
+    with LLM(backend, "orca", SchedulerConfig()) as llm:
+        (answer,) = llm.generate([prompt], [greedy(20)])
+    assert answer.choices[0].token_ids == hf_greedy(gemma3, prompt, 20)

@@ -12,6 +12,8 @@ its own). `kv_cache_gb` / `kv_cache_fraction`: the KV budget (kv_cache.py). `max
 the most sequences of one step, the scheduler's default (schedulers/defaults.py): the KV
 cache never holds more than that many full contexts, and the step buffers are sized for it.
 `prepack_weights`: on CPU, few-row matmuls go through prepacked weights (layers/linear.py).
+`disable_hybrid_kv_cache_manager` (vLLM's name): one KV cache group even for a model whose
+sliding-window layers could keep only their window's blocks (kv_cache.py's `KVGroups`).
 `attention_backend`: a name from attention/ (`auto` is `cpu_paged` where Carousel's CPU kernels
 run, else `sdpa`). `cpu_kernels`: Carousel's AVX-512 kernels (cpu_kernels/) where they build.
 `kernels_in_background`: where those kernels are not built yet, serve at once on torch's ops
@@ -73,6 +75,7 @@ class TorchBackendConfig:
     max_model_len: int | None = None
     max_num_seqs: int = defaults.MAX_NUM_SEQS
     prepack_weights: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     attention_backend: str = AUTO
     cpu_kernels: bool = True
     kernels_in_background: bool = False

@@ -56,6 +56,7 @@ def torch_backend_config(settings: Settings) -> Any:
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         prepack_weights=settings.prepack_weights,
+        disable_hybrid_kv_cache_manager=settings.disable_hybrid_kv_cache_manager,
         attention_backend=settings.attention_backend,
         cpu_kernels=settings.cpu_kernels,
         kernels_in_background=settings.kernels_in_background,

@@ -107,6 +107,13 @@ class ModelSettings(BaseModel):
         True, description="CPU: a prepacked weight copy for decode-sized matmuls",
         json_schema_extra=torch_only(),
     )  # fmt: skip
+    disable_hybrid_kv_cache_manager: bool = Field(
+        False,
+        description="keep every layer's KV blocks for the whole context, sliding-window layers "
+        "too (vLLM's flag; default: a model whose sliding layers are at least as many as its "
+        "full ones keeps only their window's blocks)",
+        json_schema_extra=torch_only(),
+    )
     attention_backend: str = Field(
         "auto",
         description=(

@@ -277,6 +277,8 @@ class TorchBackend(Backend):
         parallelism's ranks rebuild each step's layout from the broadcast main tables."""
         if not self.builder.generic or config.tensor_parallel_size > 1:
             return None
+        if config.disable_hybrid_kv_cache_manager:
+            return None
         return kv_groups([spec.sliding_window for spec in specs])
 
     def _placement(self) -> Placement | None:
