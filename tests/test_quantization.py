@@ -16,6 +16,7 @@ from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_models import tiny_model, tiny_tokenizer
 from gateway.obs.metrics import ArmGauges, GatewayMetrics
 from gateway.settings.load import Settings
+from schedulers.backend import FastRows
 from schedulers.batch import Batch
 from schedulers.block_manager import BlockManager
 from schedulers.sampling_params import SamplingParams
@@ -80,6 +81,10 @@ def test_int8_decode_steps_stay_close_to_the_dense_model_and_report_their_bytes(
     dense = step_logits(backend(quantization="none"), prompt)
     b = backend(quantization="int8", quantization_max_rows=8)
     assert b.model.quantization.layer_max_rows == 8
+    # the drafter's view: R and the speedup measured there (speculative decoding's fit)
+    report = b.model.quantization
+    assert b.fast_rows == FastRows(8, report.layer_speedup) and report.layer_speedup > 0
+    assert backend(quantization="none").fast_rows is None
     assert isinstance(b.model.linears[0].qkv, QuantLinear)
     quantised = step_logits(b, prompt)
     assert not torch.equal(quantised, dense)  # the int8 kernel ran

@@ -258,3 +258,17 @@ def test_constrained_requests_beside_speculating_ones_stay_valid(
         for text in texts:
             jsonschema.validate(json.loads(text), MATE_SCHEMA)
         assert accepted(llm) > 0
+
+
+def test_the_engine_hands_the_backends_fast_rows_to_the_drafter(mistral: PreTrainedModel) -> None:
+    backend = TorchBackend(
+        mistral, tiny_tokenizer(), device="cpu", dtype="bfloat16", kv_cache_gb=0.01,
+        max_model_len=64, quantization="int8", quantization_max_rows=4,
+    )  # fmt: skip
+    engine = Engine(backend, "orca", config(True))
+    try:
+        drafter = engine.scheduler.drafter
+        assert drafter is not None and backend.fast_rows is not None
+        assert drafter.fast_rows == backend.fast_rows and drafter.fast_rows.rows == 4
+    finally:
+        engine.stop()
