@@ -4,20 +4,9 @@ Blocks are handed out from a free list and never over-committed. With prefix cac
 block whose slots are all computed is registered under a hash of its token ids chained to
 its parent block's hash; a later sequence whose tokens start the same way takes a reference
 on it instead of computing it again. A registered block whose last holder frees it stays
-cached (evictable) until an allocation needs the space, least recently used first.
-
-KV cache groups (vLLM's hybrid KV cache manager): a model whose layers attend either to
-everything or to a sliding window (Gemma 2 and 3, ...) keeps its sliding layers' K/V in
-blocks of their own. The backend splits the layers into groups of equally many (its
-`KVCacheSpec.windows`); every block of the pool holds one group's layers, so a sequence has a
-block table per group: `block_table` for the full-attention layers, `window_tables[g]` for
-sliding group g. A window table drops (`NO_BLOCK`) the blocks that lie wholly before the
-window of the next token to compute, so a long sequence holds its window's blocks there, not
-its whole context. Dropped blocks stay cached like any other; a prefix hit needs, in each
-window group, the blocks of the window before its end (the earlier ones are never read). A
-window group's cached block is anchored to the full group's cached block of the same tokens
-(its `parent`): a hit takes it only beside that block, found through the chain of parents,
-so a hash collision costs a miss there too; and it is uncached when its anchor is evicted.
+cached (evictable) until an allocation needs the space, least recently used first. KV cache
+groups (a table per group; sliding-window groups drop the blocks behind their window) are
+window_blocks.py's part of the manager.
 """
 
 from __future__ import annotations
@@ -25,61 +14,26 @@ from __future__ import annotations
 import collections
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from schedulers import defaults
+from schedulers.kv_blocks import (
+    NO_BLOCK,
+    NO_HIT,
+    ROOT_HASH,
+    CachedBlock,
+    PrefixHit,
+    blocks_for,
+    hash_block_tokens,
+    require,
+)
 from schedulers.sequence import Sequence
+from schedulers.window_blocks import WindowBlocks
 
-#: the parent hash of a sequence's first block
-ROOT_HASH = 0
-#: a window table's entry for a block dropped out of the window (never read: it is masked)
-NO_BLOCK = -1
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold `num_tokens` token slots."""
-    return -(-num_tokens // block_size)
+__all__ = ["NO_BLOCK", "NO_HIT", "ROOT_HASH", "BlockManager", "PrefixHit", "blocks_for",
+           "hash_block_tokens"]  # fmt: skip
 
 
-def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block's token ids chained to its parent's (equal prefixes, equal hash).
-
-    A lookup key only: every hit is verified on the block's token ids and parent block, so
-    a collision costs a miss, never wrong KV.
-    """
-    return hash((parent_hash, *token_ids))
-
-
-class PrefixHit(NamedTuple):
-    """The longest cached prefix of a sequence: its block ids and the tokens they hold.
-
-    `window_block_ids[g]`: window group g's blocks of the hit's last window (the table's
-    entries from `window_start`, the ones before it dropped). Valid until the block manager
-    next changes (allocate, append, free, cache_full_blocks).
-    """
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    window_block_ids: tuple[tuple[int, ...], ...] = ()
-
-
-NO_HIT = PrefixHit((), 0)
-
-
-@dataclass(frozen=True, slots=True)
-class _CachedBlock:
-    """What a registered block holds: `token_ids` after the prefix ending in `parent`."""
-
-    block_hash: int
-    token_ids: tuple[int, ...]
-    #: the block id before it in the prefix (None for a first block); in a window group, the
-    #: full group's block of the same tokens (its anchor)
-    parent: int | None
-    group: int = 0  # its KV cache group (0: the full-attention layers')
-
-
-class BlockManager:
+class BlockManager(WindowBlocks):
     """Allocator over `num_blocks` KV blocks of `block_size` slots, with ownership.
 
     A block is truly free, cached (registered, no holder, evictable) or in use (one reference
@@ -114,7 +68,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))  # no KV worth keeping
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, least recent first
         self._ref_counts = [0] * num_blocks
-        self._cached: dict[int, _CachedBlock] = {}  # registered block id -> what it holds
+        self._cached: dict[int, CachedBlock] = {}  # registered block id -> what it holds
         self._by_hash: dict[int, int] = {}  # block hash -> registered block id
         self._window_by_hash: list[dict[int, int]] = [{} for _ in windows]  # per window group
         self._anchored: dict[int, list[int]] = {}  # full group block -> window blocks on it
@@ -193,7 +147,7 @@ class BlockManager:
             block_hash, token_ids = hashes[i], self._tokens_of(seq, i)
             existing = self._by_hash.get(block_hash)
             if existing is None:
-                self._cached[table[i]] = _CachedBlock(block_hash, token_ids, parent)
+                self._cached[table[i]] = CachedBlock(block_hash, token_ids, parent)
                 self._by_hash[block_hash] = table[i]
             elif existing != table[i] and self._lookup(block_hash, token_ids, parent) is not None:
                 self._take_ref(existing)
@@ -277,107 +231,6 @@ class BlockManager:
         seq.block_table = []
         seq.window_tables = []
         self._num_registered.pop(seq.seq_id, None)
-
-    # -- window groups -------------------------------------------------------------------------
-
-    def window_start(self, group: int, position: int) -> int:
-        """The first block of window group `group` a token at `position` reads (the one
-        holding its window's first key, `position - window + 1`)."""
-        return max(0, (position - self.windows[group] + 1) // self.block_size)
-
-    def max_blocks(self, num_tokens: int) -> int:
-        """The most blocks a sequence of `num_tokens` tokens can hold: every group's, as when
-        its whole prompt runs in one step (no window block dropped yet)."""
-        return blocks_for(num_tokens, self.block_size) * (1 + len(self.windows))
-
-    def _droppable(self, group: int, table: list[int], computed: int) -> int:
-        """Blocks that dropping `table`'s blocks before the window of position `computed`
-        frees (those no other table holds)."""
-        i = min(self.window_start(group, computed), len(table)) - 1
-        count = 0
-        while i >= 0 and table[i] != NO_BLOCK:  # dropped blocks are always a leading run
-            count += self._ref_counts[table[i]] == 1
-            i -= 1
-        return count
-
-    def _drop_out_of_window(self, seq: Sequence) -> None:
-        """Release each window table's blocks before the next token's window (its cached
-        ones stay cached)."""
-        computed = seq.num_computed_tokens
-        for group, table in enumerate(seq.window_tables):
-            i = min(self.window_start(group, computed), len(table)) - 1
-            while i >= 0 and table[i] != NO_BLOCK:
-                self._release(table[i])
-                table[i] = NO_BLOCK
-                i -= 1
-
-    def _window_lookup(self, group: int, seq: Sequence, i: int, anchor: int) -> int | None:
-        """Window group `group`'s registered block holding `seq`'s block `i` beside the full
-        group's block `anchor`, if any (`seq.block_hashes` covering it)."""
-        block_id = self._window_by_hash[group].get(seq.block_hashes[i])
-        if block_id is None:
-            return None
-        cached = self._cached[block_id]
-        if cached.parent != anchor or cached.token_ids != self._tokens_of(seq, i):
-            return None
-        return block_id
-
-    def _window_hit(self, seq: Sequence, hit: PrefixHit) -> PrefixHit:
-        """`hit` cut to its longest prefix whose last window every window group caches.
-
-        From the whole hit down: a window group missing block i rules out every prefix
-        whose window holds it, so the next one tried ends at block i; each block is looked
-        up at most once per group.
-        """
-        bs = self.block_size
-        found: dict[tuple[int, int], int | None] = {}
-        m = len(hit.block_ids)
-        while m > 0:
-            groups: list[tuple[int, ...]] = []
-            for group in range(len(self.windows)):
-                ids: list[int] = []
-                for i in range(m - 1, self.window_start(group, m * bs) - 1, -1):
-                    if (group, i) not in found:
-                        found[group, i] = self._window_lookup(group, seq, i, hit.block_ids[i])
-                    block_id = found[group, i]
-                    if block_id is None:
-                        m = i  # the longest prefix whose window leaves block i out
-                        break
-                    ids.append(block_id)
-                else:
-                    groups.append(tuple(reversed(ids)))
-                    continue
-                break
-            else:
-                return PrefixHit(hit.block_ids[:m], m * bs, tuple(groups))
-        return NO_HIT
-
-    def _cache_window_blocks(
-        self,
-        seq: Sequence,
-        group: int,
-        table: list[int],
-        start: int,
-        num_full: int,
-        hashes: list[int],
-    ) -> None:
-        """`cache_full_blocks` for window group `group`'s table: only beside a cached block of
-        the full group (its anchor)."""
-        index = self._window_by_hash[group]
-        for i in range(start, min(num_full, len(table))):
-            block_id, anchor = table[i], seq.block_table[i]
-            if block_id == NO_BLOCK or anchor not in self._cached:
-                continue
-            existing = index.get(hashes[i])
-            if existing is None:
-                tokens = self._tokens_of(seq, i)
-                self._cached[block_id] = _CachedBlock(hashes[i], tokens, anchor, group + 1)
-                self._anchored.setdefault(anchor, []).append(block_id)
-                index[hashes[i]] = block_id
-            elif existing != block_id and self._window_lookup(group, seq, i, anchor) is not None:
-                self._take_ref(existing)
-                self._release(block_id)
-                table[i] = existing
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -499,24 +352,24 @@ class BlockManager:
         """
         free, evictable = list(self._free), list(self._evictable)
         refs = self._ref_counts
-        _require(min(refs) >= 0, "a reference count is below zero")
+        require(min(refs) >= 0, "a reference count is below zero")
         in_use = [b for b in range(self.num_blocks) if refs[b] > 0]
-        _require(
+        require(
             len(free) + len(evictable) + len(in_use) == self.num_blocks,
             "free + cached + in use != total",
         )
-        _require(len(set(free) | set(evictable)) == len(free) + len(evictable), "double free")
-        _require(all(refs[b] == 0 and b not in self._cached for b in free), "bad free block")
-        _require(all(refs[b] == 0 and b in self._cached for b in evictable), "bad cached block")
-        _require(self.enable_prefix_caching or not self._cached, "cached with caching off")
+        require(len(set(free) | set(evictable)) == len(free) + len(evictable), "double free")
+        require(all(refs[b] == 0 and b not in self._cached for b in free), "bad free block")
+        require(all(refs[b] == 0 and b in self._cached for b in evictable), "bad cached block")
+        require(self.enable_prefix_caching or not self._cached, "cached with caching off")
         self._check_cache(evictable)
         if holders is not None:
             self._check_holders(list(holders))
 
     def _check_cache(self, evictable: list[int]) -> None:
         indexes = [self._by_hash, *self._window_by_hash]
-        _require(sum(map(len, indexes)) == len(self._cached), "hash index out of step")
-        _require(
+        require(sum(map(len, indexes)) == len(self._cached), "hash index out of step")
+        require(
             all(
                 self._cached[b].block_hash == h and self._cached[b].group == group
                 for group, index in enumerate(indexes)
@@ -526,11 +379,11 @@ class BlockManager:
         )
         lru_rank = {b: rank for rank, b in enumerate(evictable)}
         for block_id, cached in self._cached.items():
-            _require(len(cached.token_ids) == self.block_size, "a partial block is cached")
+            require(len(cached.token_ids) == self.block_size, "a partial block is cached")
             parent = cached.parent
             if cached.group:  # a window group's: anchored beside a full group block
                 anchor = self._cached.get(parent) if parent is not None else None
-                _require(
+                require(
                     anchor is not None and anchor.group == 0
                     and anchor.token_ids == cached.token_ids
                     and block_id in self._anchored.get(parent, ()),  # type: ignore[arg-type]
@@ -539,19 +392,10 @@ class BlockManager:
                 continue
             if parent is None:
                 continue
-            _require(parent in self._cached, f"cached block {block_id} lost its parent")
-            _require(self._ref_counts[parent] >= self._ref_counts[block_id], "orphan holder")
+            require(parent in self._cached, f"cached block {block_id} lost its parent")
+            require(self._ref_counts[parent] >= self._ref_counts[block_id], "orphan holder")
             if block_id in lru_rank and parent in lru_rank:
-                _require(lru_rank[parent] > lru_rank[block_id], "a parent would evict first")
-
-    def _check_window_tables(self, seq: Sequence, counts: collections.Counter[int]) -> None:
-        _require(
-            not seq.window_tables or len(seq.window_tables) == len(self.windows),
-            f"seq {seq.seq_id} has a table per window group",
-        )
-        for group, table in enumerate(seq.window_tables):
-            _require(len(table) == len(seq.block_table), "a window table of another length")
-            _check_window_table(self, seq, group, table, counts)
+                require(lru_rank[parent] > lru_rank[block_id], "a parent would evict first")
 
     def _check_holders(self, holders: list[Sequence]) -> None:
         counts = collections.Counter(
@@ -561,57 +405,24 @@ class BlockManager:
             for b in table
             if b != NO_BLOCK
         )
-        _require(
+        require(
             all(counts[b] == self._ref_counts[b] for b in range(self.num_blocks)),
             "reference counts differ from the block tables",
         )
         for seq in holders:
             self._check_window_tables(seq, counts)
             table = seq.block_table
-            _require(len(set(table)) == len(table), f"seq {seq.seq_id} holds a block twice")
+            require(len(set(table)) == len(table), f"seq {seq.seq_id} holds a block twice")
             num_full = seq.num_computed_tokens // self.block_size
             for i, block_id in enumerate(table):
                 cached = self._cached.get(block_id)
                 if i >= num_full:  # the slots this sequence may still write
-                    _require(cached is None and counts[block_id] == 1, "a writable block shared")
+                    require(cached is None and counts[block_id] == 1, "a writable block shared")
                 elif cached is not None:
-                    _require(
+                    require(
                         cached.token_ids == self._tokens_of(seq, i)
                         and cached.parent == (table[i - 1] if i else None),
                         f"seq {seq.seq_id} holds a cached block of another prefix",
                     )
                 else:
-                    _require(counts[block_id] == 1, "an uncached block shared")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
-
-
-def _check_window_table(
-    bm: BlockManager, seq: Sequence, group: int, table: list[int], counts: collections.Counter[int]
-) -> None:
-    """`_check_holders` for one of `seq`'s window tables: dropped blocks a leading run, no
-    block twice, written blocks its own, cached ones holding its tokens after its prefix."""
-    real = [b for b in table if b != NO_BLOCK]
-    _require(
-        table[len(table) - len(real) :] == real, f"seq {seq.seq_id} dropped a block mid-window"
-    )
-    _require(len(set(real)) == len(real), f"seq {seq.seq_id} holds a window block twice")
-    num_full = seq.num_computed_tokens // bm.block_size
-    for i, block_id in enumerate(table):
-        if block_id == NO_BLOCK:
-            continue
-        cached = bm._cached.get(block_id)
-        if i >= num_full:
-            _require(cached is None and counts[block_id] == 1, "a writable window block shared")
-        elif cached is not None:
-            _require(
-                cached.group == group + 1
-                and cached.token_ids == bm._tokens_of(seq, i)
-                and cached.parent == seq.block_table[i],
-                f"seq {seq.seq_id} holds a cached window block of another prefix",
-            )
-        else:
-            _require(counts[block_id] == 1, "an uncached window block shared")
+                    require(counts[block_id] == 1, "an uncached block shared")
