@@ -27,7 +27,6 @@ from xdist.scheduler import LoadFileScheduling
 #: 2026-12-07)
 LONGEST_FILES = (
     "tests/test_triton_attention.py",  # 306: the Triton interpreter's runs
-    "tests/test_bench_aa_live.py",  # 207: two live A/B reads
     "tests/test_oracle.py",  # 192
     "tests/test_compose_smoke.py",  # 176 where a container engine runs it
     "tests/test_rollout_sim.py",  # 161
@@ -42,6 +41,7 @@ LONGEST_FILES = (
 )
 #: the files with `serial` tests, handed out last
 SERIAL_FILES = (
+    "tests/test_bench_aa_live.py",  # two live A/B reads at once, about 75 s
     "tests/test_bench_client.py",
     "tests/test_bench_replay.py",
     "tests/test_engine.py",
