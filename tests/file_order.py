@@ -41,7 +41,7 @@ LONGEST_FILES = (
 )
 #: the files with `serial` tests, handed out last
 SERIAL_FILES = (
-    "tests/test_bench_aa_live.py",  # two live A/B reads at once, about 75 s
+    "tests/test_bench_aa_live.py",  # two live A/B reads one after the other, about 130 s
     "tests/test_bench_client.py",
     "tests/test_bench_replay.py",
     "tests/test_engine.py",

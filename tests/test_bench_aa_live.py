@@ -8,9 +8,11 @@ machine; short prompts keep the burst's prefills from swamping its decode steps.
 the first batch's longest request), must read as a difference, so the A/A pass is not a
 verdict that cannot find anything. docs/bench.md ("An arm against itself") gives the figures.
 
-The two reads run at once (`verdicts`), each against its own gateway: the sims mostly sleep
-(39 CPU-s of 218 s one after the other on the 2-core CI machine), and each read's arms share
-whatever the other adds, as they share the rest of the machine's load.
+The two reads run one after the other (`verdicts`), each against its own gateway, with the
+machine to themselves (`serial`). Run at once (f8ef246 to 91a46e6), or beside the other
+worker's tests, the A/A read's 10% equivalence came out inconclusive in three of four
+fresh-clone rehearsals on the 2-core machine: the other read's gateway and bench client
+jostle the sims' step pacing.
 """
 
 from __future__ import annotations
@@ -64,14 +66,14 @@ READS = {"aa": ("orca", 32, 4), "control": ("static", 48, 5)}
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
-    """Both reads, started together on two threads (module docstring)."""
+    """Both reads, one after the other on one thread, A/A first (module docstring)."""
     out = tmp_path_factory.mktemp("aa-live")
-    with ThreadPoolExecutor(max_workers=len(READS)) as pool:
+    with ThreadPoolExecutor(max_workers=1) as pool:
         yield {name: pool.submit(verdict, out, *read) for name, read in READS.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # equivalence within 10%: the other worker's load widened it past that
+@pytest.mark.serial  # equivalence within 10%: other work beside it widened it past that
 def test_orca_against_itself_reads_no_difference(verdicts: dict[str, Future[Any]]) -> None:
     rows = verdicts["aa"].result()
     assert set(rows) >= LATENCY | STEADY
@@ -82,7 +84,7 @@ def test_orca_against_itself_reads_no_difference(verdicts: dict[str, Future[Any]
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # the control read runs on while this waits for it
+@pytest.mark.serial  # the control read runs while this waits for it
 def test_orca_against_static_reads_a_difference(verdicts: dict[str, Future[Any]]) -> None:
     rows = verdicts["control"].result()
     sentences = {m: row["sentence"] for m, row in rows.items()}
