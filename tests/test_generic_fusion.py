@@ -15,6 +15,7 @@ from backends.torch import kernels
 from backends.torch.generic import model as generic_model_module
 from backends.torch.generic.fusion import Fusion, FusionReport, build_fusion, check
 from backends.torch.generic.model import prepare
+from backends.torch.generic.norms import offset_norm
 from backends.torch.generic.siblings import SiblingGroup
 from backends.torch.layers.linear import Linear, pack_plan
 from schedulers.base import SchedulerConfig
@@ -120,10 +121,15 @@ class KernelSpy:
 
 
 def test_other_formulas_keep_their_own_code() -> None:
-    """Gemma 3's `(1 + w)` norms are not Llama's: no norm swapped; its GELU MLP is not the
-    SiLU kernel's: gate and up fused as siblings instead. Phi-3 fuses its own projections."""
-    gemma = generic_backend(generic_model("gemma3")).model.fusion.report
+    """Gemma 3's `(1 + w)` norms are not Llama's: none taken as one, each taken as an offset
+    norm (six a layer: input, q, k, post-attention, pre- and post-feedforward; and the final
+    one); its GELU MLP is not the SiLU kernel's: gate and up fused as siblings instead. Phi-3
+    fuses its own projections."""
+    model = generic_model("gemma3")
+    gemma = generic_backend(model).model.fusion.report
     assert (gemma.norms, gemma.silu_mlps, gemma.qkv, gemma.gate_up) == (0, 0, 2, 2)
+    layers = model.config.num_hidden_layers
+    assert gemma.offset_norms == (6 * layers + 1 if KERNELS else 0)
     phi3 = generic_backend(generic_model("phi3")).model.fusion.report
     assert (phi3.qkv, phi3.gate_up, phi3.silu_mlps) == (0, 0, 0)
 
@@ -169,3 +175,32 @@ def test_siblings_serve_each_call_its_own_projection() -> None:
         for index, tensor in calls:
             torch.testing.assert_close(group.take(index, tensor), members[index](tensor))
     assert group.products == 4  # x; y; y again (member 2 twice); x again (left for y)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_offset_norm_swaps_compute_what_the_hf_modules_do(arch: str) -> None:
+    """Gemma's `(1 + w)` norms on the kernel in fp32: HF's own forward with the swaps in equals
+    it without (fp32 logits; bf16 hidden states to one bf16 step), and every norm ran there."""
+    if not KERNELS:
+        pytest.fail("the offset norms need the CPU kernels, which build on every CI machine")
+    model = generic_model(arch)
+    spy = KernelSpy(kernels.native())
+    fusion = build_fusion(model, None, spy, DTYPES)
+    layers = model.config.num_hidden_layers
+    per_layer = 6 if arch == "gemma3" else 4  # Gemma 2 has no q/k norms
+    assert fusion.report.offset_norms == per_layer * layers + 1
+    ids = torch.tensor([prompts()[5]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        with fusion.swaps.swapped_in():
+            after = model(input_ids=ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert spy.norms == per_layer * layers + 1
+    norm = next(m for m in model.modules() if offset_norm(m))
+    x = torch.randn(7, 3, norm.weight.shape[0]).bfloat16()
+    with torch.inference_mode():
+        hf = norm(x)
+        with fusion.swaps.swapped_in():
+            ours = norm(x)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), hf.float(), rtol=8e-3, atol=1e-6)

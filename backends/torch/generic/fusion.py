@@ -11,7 +11,8 @@ the architecture):
   over their fused rows, each member served its slice (siblings.py);
 - Llama-formula RMSNorms: the CPU kernels' `rms_norm` (norms.py), where they run, and in a
   Llama-code decoder layer the attention's residual add folded into the post-attention
-  norm's kernel (`add_rms_norm`, residual.py);
+  norm's kernel (`add_rms_norm`, residual.py); Gemma's `(1 + w)` RMSNorms: the same kernel
+  over fp32 rows (norms.py);
 - every other plain `nn.Linear`: its packed copy (linears.py), where a pack plan exists.
 
 Each applies only during a step (`StepSwaps.swapped_in`); the fused weights are row views
@@ -31,11 +32,12 @@ from transformers import PreTrainedModel
 from backends.torch.generic.attention import LayerCall
 from backends.torch.generic.linears import PackedLinears
 from backends.torch.generic.mlp import fuse_mlps
-from backends.torch.generic.norms import native_norms
+from backends.torch.generic.norms import native_norms, offset_norms
 from backends.torch.generic.probe import probe_layers
 from backends.torch.generic.residual import fold_residuals
 from backends.torch.generic.siblings import SiblingGroup, fuse_siblings, sibling_sets
 from backends.torch.generic.swaps import StepSwaps
+from backends.torch.kernels import computes
 from backends.torch.layers.linear import PackPlan
 from backends.torch.logs import engine_log
 from backends.torch.models.llama_modules import SIBLINGS, mlp_linears
@@ -51,6 +53,7 @@ class FusionReport:
     gate_up: int = 0  # MLPs with fused gate/up (not through the kernel)
     silu_mlps: int = 0  # MLPs through the gate/up/SiLU kernel
     norms: int = 0  # RMSNorms through the kernel
+    offset_norms: int = 0  # Gemma's (1 + w) RMSNorms through the kernel in fp32
     folded: int = 0  # decoder layers with the attention's residual add in the norm's kernel
     packed: int = 0  # other linears through their packed copy
 
@@ -104,6 +107,8 @@ def build_fusion(
         if kernels is not None:
             counts["norms"] = len(native_norms(hf_model, kernels, dtypes, swaps))
             counts["folded"] = len(fold_residuals(hf_model, kernels, dtypes, swaps))
+            if computes(torch.float32):  # the (1 + w) norms run the fp32 kernel
+                counts["offset_norms"] = len(offset_norms(hf_model, kernels, swaps))
     packed = None
     if plan is not None:
         skip = inside | {id(m) for m in hf_model.modules() if swaps.holds(m)}
