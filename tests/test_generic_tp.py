@@ -3,7 +3,8 @@
 Each model runs its own transformers code on two ranks, cut by its config's
 `base_model_tp_plan` (backends/torch/parallel/tp_plan.py): Gemma 3 (dense: sliding layers,
 per-head q/k norms, `(1 + w)` norms, a tied embedding) and Qwen3-MoE (a dense MLP layer split
-like Gemma's, then a sparse layer whose router and experts every rank holds whole). The
+like Gemma's, then a sparse layer whose router and experts every rank holds whole), each LM
+head split by vocabulary rows as its CausalLM's `_tp_plan` says. The
 workload is the generic oracle's (tests/test_generic_oracle.py): orca with a 16-token budget and
 chunked prefill, a KV cache for one 80-token context (so sequences are preempted), and a
 second turn served partly from the prefix cache; every step's block accounting is checked and
@@ -82,18 +83,19 @@ def test_tp2_orca_with_chunks_preemption_and_a_prefix_hit_equals_hf_generate(
     assert_orca_with_chunks_preemption_and_a_hit_exact(tp_backend, expected)
 
 
-def test_each_rank_caches_its_own_kv_heads_and_holds_the_whole_vocabulary(
+def test_each_rank_caches_its_own_kv_heads_and_computes_its_half_of_the_vocabulary(
     tp_backend: TensorParallelBackend,
 ) -> None:
     ranks = tp_backend.describe()
     assert {r["num_blocks"] for r in ranks} == {tp_backend.kv_cache_spec.num_blocks}
-    # 4 query heads over 2 KV heads: each rank probes (and caches) its half; the embedding
-    # and the LM head are not in the plans, so every rank holds all 320 rows
+    # 4 query heads over 2 KV heads: each rank probes (and caches) its half; the CausalLM's
+    # `_tp_plan` gathers the LM head after a colwise split, so each rank computes 160 of the
+    # 320 vocabulary rows (its embedding is whole) and rank 0 samples from the whole logits
     assert [(r["num_heads"], r["num_kv_heads"], r["first_kv_head"]) for r in ranks] == [
         (2, 1, 0),
         (2, 1, 1),
     ]
-    assert [r["vocab_rows"] for r in ranks] == [320, 320]
+    assert [r["vocab_rows"] for r in ranks] == [160, 160]
 
 
 @pytest.mark.parametrize(

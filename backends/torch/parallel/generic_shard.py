@@ -7,6 +7,9 @@ whole on every rank, so it is read whole, through transformers' own conversion o
 checkpoint's names and layouts (an MoE checkpoint stores each expert apart; transformers 5's
 module holds them stacked), as `from_pretrained` converts them. A rowwise module's bias is kept
 on rank 0 only (zeros elsewhere), so the all-reduce of the partial products holds it once.
+Where the plan splits the LM head (tp_plan.py), the rank's head is a new `nn.Linear` over its
+vocabulary rows: a view of the embedding's rows where the two are tied, else a copy of its rows
+(the whole head freed).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import convert_and_load_state_dict_in_model
@@ -53,7 +57,23 @@ def load_generic_shard(
             tensors[name].zero_()
     model.load_state_dict(tensors, strict=False, assign=True)
     _load_whole(model, files, set(planned), dtype)
-    return finish_shard(model, model_dir, tied_head(config, files), device)
+    model = finish_shard(model, model_dir, tied_head(config, files), device)
+    if plan.split_vocab:
+        split_head(model, plan.vocab)
+    return model
+
+
+def split_head(model: Any, rows: range) -> None:
+    """`model`'s LM head cut to its vocabulary `rows` (see the module)."""
+    head: nn.Linear = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    part = nn.Linear(head.in_features, len(rows), bias=head.bias is not None)
+    with torch.no_grad():
+        weight = head.weight[rows.start : rows.stop]
+        part.weight = nn.Parameter(weight if tied else weight.clone(), requires_grad=False)
+        if head.bias is not None:
+            part.bias = nn.Parameter(head.bias[rows.start : rows.stop].clone(), requires_grad=False)
+    model.set_output_embeddings(part.to(head.weight.device))
 
 
 def _load_whole(model: Any, files: dict[str, Path], skip: set[str], dtype: torch.dtype) -> None:

@@ -17,7 +17,8 @@ are built with these collectives in place: linears.py):
 That is 2 all-reduces per layer, plus one for the embedding and one gather, per step.
 
 On the generic path (the model's own transformers code, tp_plan.py) the HF modules stay as
-they are: `all_reduce_output`, a forward hook on each rowwise module, sums its partial output.
+they are: `all_reduce_output`, a forward hook on each rowwise module, sums its partial output,
+and `gather_vocab`, one on a split LM head, gathers its vocabulary parts on rank 0.
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ def all_reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> tor
     """A forward hook: the module's partial product summed over the ranks, in place."""
     dist.all_reduce(output)
     return output
+
+
+def gather_vocab(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook on a vocabulary-split LM head: rank 0 gets the whole logits along the
+    last dimension, in rank order; the other ranks keep their part (only rank 0 samples)."""
+    local = output.contiguous()
+    parts = None
+    if dist.get_rank() == 0:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.gather(local, parts, group_dst=0)
+    return local if parts is None else torch.cat(parts, dim=-1)
 
 
 class RankPlacement:

@@ -7,8 +7,9 @@ rank's cache alike: the ranks agree on the number of blocks when they build (`bu
 
 A model on the generic path (`model_impl`, generic/) is cut by its own `base_model_tp_plan`
 (tp_plan.py, generic_shard.py) instead of a family's rules, and its rowwise modules get an
-all-reduce hook once the backend is built (the probe forward of the build runs without them,
-so no rank ever waits in a collective while another is still loading).
+all-reduce hook (a split LM head: a gather to rank 0) once the backend is built (the probe
+forward of the build runs without them, so no rank ever waits in a collective while another
+is still loading).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from backends.torch.loader import config_dtype
 from backends.torch.models import architecture_of
 from backends.torch.parallel.channel import Channel
 from backends.torch.parallel.generic_shard import load_generic_shard
-from backends.torch.parallel.layers import RankPlacement, all_reduce_output
+from backends.torch.parallel.layers import RankPlacement, all_reduce_output, gather_vocab
 from backends.torch.parallel.shard import load_shard
 from backends.torch.parallel.sizes import ModelDims, ShardPlan
 from backends.torch.parallel.step import FlatStep
@@ -72,6 +73,8 @@ class RankBackend(TorchBackend):
         if isinstance(plan, GenericPlan):  # NOTE: after the build's probe forward (module doc)
             for module in plan.rowwise_modules(model):
                 module.register_forward_hook(all_reduce_output)
+            if plan.split_vocab:
+                model.get_output_embeddings().register_forward_hook(gather_vocab)
 
     def _placement(self) -> RankPlacement | None:
         return RankPlacement(self.plan) if isinstance(self.plan, ShardPlan) else None

@@ -15,8 +15,16 @@ runs each style's inference forward:
   `colwise_rep`, `rowwise_split_input`, `rowwise_rep`, whose split-then-gather (or
   split-then-reduce) forward computes the whole product: computed whole, it is the same one;
 - whole on every rank too, as transformers and vLLM leave them: every module the plan does not
-  name (the embedding, the LM head, the norms, MoE routers and experts; transformers 5 names
-  experts only in `base_model_ep_plan`, for expert parallelism).
+  name (the embedding, the norms, MoE routers and experts; transformers 5 names experts only in
+  `base_model_ep_plan`, for expert parallelism).
+
+The LM head is the CausalLM class's own plan (`_tp_plan`, `lm_head: colwise_gather_output`):
+where it names it so, the head is a plain `nn.Linear` and N divides the vocabulary, each rank
+computes its `V / N` vocabulary rows of the logits (a view of the embedding's rows where they
+are tied, so no memory is added) and rank 0 gathers them (layers.py `gather_vocab`), as the
+native path's `GatheredLMHead` does. For a model like Gemma 3 270M, whose tied 262,144-row head
+is 168M of its 268M parameters, that head is most of a decode step's work; computed whole on
+every rank, tensor parallelism would split only the rest.
 
 Any other style (packed, embedding, sequence-parallel or MoE-expert styles) is refused by name,
 as is a plan that splits nothing (every rank would run the whole model). The rank's model is
@@ -47,6 +55,8 @@ WHOLE_STYLES = frozenset({
     "replicate", "replicated_with_grad_allreduce", "colwise_gather_output", "colwise_rep",
     "rowwise_split_input", "rowwise_rep",
 })  # fmt: skip
+#: the CausalLM `_tp_plan` styles of a head whose vocabulary rows split, gathered after
+GATHERED_HEAD_STYLES = frozenset({"colwise_gather_output", "colwise_rep"})
 #: which sizes the local config divides, most split first: (heads, intermediate size)
 _CHOICES = ((True, True), (True, False), (False, True))
 
@@ -97,12 +107,14 @@ class GenericPlan:
     world_size: int
     split_heads: bool
     split_mlp: bool
+    split_vocab: bool = False  # the LM head's vocabulary rows (the module doc)
 
     @classmethod
     def of(cls, config: PretrainedConfig, rank: int, world_size: int) -> GenericPlan:
         """Rank `rank`'s plan (ValueError, one line naming the class, where none runs)."""
         entries, (heads, mlp) = choose_split(config, world_size)
-        return cls(entries, dims_of(config), rank, world_size, heads, mlp)
+        vocab = head_splits(_meta_model(config), world_size)
+        return cls(entries, dims_of(config), rank, world_size, heads, mlp, vocab)
 
     def _part(self, total: int, split: bool) -> range:
         if not split:
@@ -120,7 +132,8 @@ class GenericPlan:
 
     @property
     def vocab(self) -> range:
-        return range(self.dims.vocab_size)  # the embedding and the LM head are whole
+        """The LM head's rows this rank computes (the embedding is whole on every rank)."""
+        return self._part(self.dims.vocab_size, self.split_vocab)
 
     def local_config(self, config: PretrainedConfig) -> PretrainedConfig:
         return local_config(config, self.dims, self.split_heads, self.split_mlp, self.world_size)
@@ -147,6 +160,19 @@ class GenericPlan:
             for path, module in model.named_modules()
             if style_of(self.entries, path + ".weight") == "rowwise"
         ]
+
+
+def head_splits(model: nn.Module, world_size: int) -> bool:
+    """Whether `model`'s LM head splits by vocabulary rows over `world_size` ranks: its class's
+    `_tp_plan` gathers it after a colwise split, it is a plain `nn.Linear` (a model with
+    another head keeps it whole) and `world_size` divides its rows."""
+    plan = getattr(model, "_tp_plan", None) or {}
+    head = getattr(model, "lm_head", None)
+    return (
+        plan.get("lm_head") in GATHERED_HEAD_STYLES
+        and type(head) is nn.Linear
+        and head.out_features % world_size == 0
+    )
 
 
 def dims_of(config: PretrainedConfig) -> ModelDims:
