@@ -168,22 +168,41 @@ class BlockManager(WindowBlocks):
         With `prefix` (a hit for a sequence holding no blocks), its blocks are not counted,
         except cached ones no one holds: taking them takes them out of the free count too.
         """
+        return max(0, sum(self._new_blocks_by_group(seq, num_tokens, prefix)))
+
+    def num_reserved_blocks(
+        self, seq: Sequence, num_tokens: int, step_tokens: int, prefix: PrefixHit | None = None
+    ) -> int:
+        """The most free blocks `seq` takes at any time on its way to its first `num_tokens`
+        slots, if no step of it computes more than `step_tokens` tokens: `num_new_blocks`
+        with each window group's share capped by the blocks its window and one step span
+        (`window_peak`; a static batch's worst-case reservation)."""
+        full, *windows = self._new_blocks_by_group(seq, num_tokens, prefix)
+        capped = [min(n, self.window_peak(g, step_tokens)) for g, n in enumerate(windows)]
+        return max(0, full + sum(capped))
+
+    def _new_blocks_by_group(
+        self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None
+    ) -> list[int]:
+        """`num_new_blocks`' count per group, the full one first (a window group's may be
+        negative: the blocks it drops free more than it takes)."""
         num_blocks = blocks_for(num_tokens, self.block_size)
         if prefix is None:
-            needed = max(0, num_blocks - len(seq.block_table))
-            if not self.windows:
-                return needed
+            counts = [max(0, num_blocks - len(seq.block_table))]
             tables = seq.window_tables or [[] for _ in self.windows]
             computed = seq.num_computed_tokens
             for group, table in enumerate(tables):  # a dropped block frees one for the next
-                needed += max(0, num_blocks - len(table)) - self._droppable(group, table, computed)
-            return max(0, needed)
+                counts.append(
+                    max(0, num_blocks - len(table)) - self._droppable(group, table, computed)
+                )
+            return counts
         self._check_prefix(seq, num_tokens, prefix)
         held = len(prefix.block_ids)
-        needed = 0
-        for ids in (prefix.block_ids, *prefix.window_block_ids):
-            needed += num_blocks - held + sum(1 for b in ids if self._ref_counts[b] == 0)
-        return needed + (num_blocks - held) * (len(self.windows) - len(prefix.window_block_ids))
+        counts = [
+            num_blocks - held + sum(1 for b in ids if self._ref_counts[b] == 0)
+            for ids in (prefix.block_ids, *prefix.window_block_ids)
+        ]
+        return counts + [num_blocks - held] * (len(self.windows) - len(prefix.window_block_ids))
 
     def can_allocate(self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         return self.num_new_blocks(seq, num_tokens, prefix) <= self.num_free_blocks

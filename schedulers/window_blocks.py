@@ -55,6 +55,14 @@ class WindowBlocks:
         holding its window's first key, `position - window + 1`)."""
         return max(0, (position - self.windows[group] + 1) // self.block_size)
 
+    def window_peak(self, group: int, step_tokens: int) -> int:
+        """The most blocks window group `group` holds for a sequence none of whose steps
+        computes more than `step_tokens` tokens: a step from position c holds the blocks
+        from `window_start(c)` (position c - window + 1) to that of position
+        c + step_tokens - 1, window + step_tokens - 1 positions, which span at most
+        blocks_for(window + step_tokens - 2) + 1 blocks."""
+        return blocks_for(step_tokens + self.windows[group] - 2, self.block_size) + 1
+
     def max_blocks(self, num_tokens: int) -> int:
         """The most blocks a sequence of `num_tokens` tokens can hold: every group's, as when
         its whole prompt runs in one step (no window block dropped yet)."""

@@ -19,9 +19,10 @@ from backends.torch.runner.backend import TorchBackend
 from backends.torch.testing.tiny_generic import tiny_generic_model
 from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_tokenizer
 from schedulers.base import SchedulerConfig
-from schedulers.block_manager import NO_BLOCK, blocks_for
+from schedulers.block_manager import NO_BLOCK, BlockManager, blocks_for
 from schedulers.llm import LLM
 from schedulers.sampling_params import SamplingParams
+from schedulers.sequence import Sequence
 from scripts.window_capacity import sequences_held
 from tests.test_grammar_scheduling import Collected, soon_all_blocks_free
 from tests.test_oracle import hf_greedy
@@ -131,3 +132,72 @@ def test_vllms_flag_keeps_every_block_and_the_same_answer(gemma3: torch.nn.Modul
     with LLM(backend, "orca", SchedulerConfig()) as llm:
         (answer,) = llm.generate([prompt], [greedy(20)])
     assert answer.choices[0].token_ids == hf_greedy(gemma3, prompt, 20)
+
+
+def test_a_window_peak_is_the_most_blocks_any_step_of_that_size_spans() -> None:
+    """Known answer, by brute force over every start position: the blocks a step of s tokens
+    from position c holds in a window group (from its window's first key's block to its last
+    token's) never exceed `window_peak`, and some position reaches it."""
+    for window in range(1, 10):
+        bm = BlockManager(8, BLOCK_SIZE, windows=(window,))
+        for step in range(1, 13):
+            spans = [(c + step - 1) // BLOCK_SIZE - bm.window_start(0, c) + 1 for c in range(40)]
+            assert max(spans) == bm.window_peak(0, step), (window, step)
+
+
+@pytest.mark.parametrize(("prompt_len", "step"), [(30, 30), (30, 8), (3, 3), (9, 4)])
+def test_a_reservation_covers_the_most_a_sequence_ever_holds(prompt_len: int, step: int) -> None:
+    """A sequence run step by step (its prompt in steps of `step` tokens, then one token a
+    step to 60) never takes more free blocks than `num_reserved_blocks` reserves for it: the
+    full group's 15 and each window group's peak for that step, against 45 for every group's
+    blocks over the whole length."""
+    bm = BlockManager(200, BLOCK_SIZE, windows=(WINDOW, 9))
+    seq = Sequence(0, "r", list(range(3, 3 + prompt_len)), greedy(60 - prompt_len))
+    reserved = bm.num_reserved_blocks(seq, seq.max_total_tokens, step)
+    peak = 0
+    while seq.num_computed_tokens < seq.max_total_tokens:
+        left = seq.num_prompt_tokens - seq.num_computed_tokens
+        num_tokens = min(step, left) if left > 0 else 1
+        bm.allocate(seq, seq.num_computed_tokens + num_tokens)
+        peak = max(peak, 200 - bm.num_free_blocks)
+        seq.num_computed_tokens += num_tokens
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            seq.output_token_ids.append(5)
+    bm.free(seq)
+    assert bm.num_free_blocks == 200
+    assert peak <= reserved < 45
+    assert bm.num_new_blocks(Sequence(1, "s", [3] * 30, greedy(30)), 60) == 45
+    assert reserved == 15 + sum(bm.window_peak(g, step) for g in (0, 1))
+
+
+def test_static_seats_more_members_when_windows_hold_only_their_blocks(
+    gemma3: torch.nn.Module,
+) -> None:
+    """A static batch reserves a sliding group's window, not its whole length: in a cache of
+    60 blocks, three 30 + 30-token requests (15 full blocks each, at most 4 in the window group
+    with 8-token steps: 57 in all) run in one batch, where reserving every group's blocks for
+    the whole length (30 each) seated two; each answer equals HF `generate`, every step's
+    accounting is right and every block is free after."""
+    kwargs = dict(block_size=BLOCK_SIZE, max_model_len=60, model_impl="transformers")
+    probe = TorchBackend(gemma3, tiny_tokenizer(), device="cpu", max_num_seqs=2, **kwargs)
+    assert probe.kv_cache_spec.num_blocks == 60  # two sequences of 15 blocks in each group
+    budget = 60 * probe.kv_cache.layout.bytes_per_block / 2**30
+    probe.close()
+    backend = TorchBackend(
+        gemma3, tiny_tokenizer(), device="cpu", max_num_seqs=4, kv_cache_gb=budget, **kwargs
+    )
+    assert backend.kv_cache_spec.num_blocks == 60
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    llm = LLM(backend, "static", config)
+    errors = check_accounting_after_every_step(llm)
+    seats: list[int] = []
+    llm.engine.iteration_listeners.append(lambda _: seats.append(len(llm.engine.scheduler.running)))
+    prompts = [[(k * i) % 90 + 3 for i in range(30)] for k in (5, 7, 11)]
+    try:
+        answers = llm.generate(prompts, [greedy(30)] * 3)
+        assert soon_all_blocks_free(llm)
+    finally:
+        llm.close()
+    assert [a.choices[0].token_ids for a in answers] == [hf_greedy(gemma3, p, 30) for p in prompts]
+    assert not errors, errors[0]
+    assert max(seats) == 3

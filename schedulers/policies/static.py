@@ -51,10 +51,11 @@ class StaticScheduler(Scheduler):
     A batch takes up to `max_batch_size` (default `max_num_seqs`) waiting requests in arrival
     order, waiting up to `batch_wait_ms` after the oldest arrived for it to fill. Formation
     reserves each member's worst case (prompt + max_tokens) in KV blocks, as the baseline
-    systems do, so a running batch never runs out; with prefix caching on, a member starts from
-    its cached prefix at formation and its reservation leaves out the blocks it shares. A
-    request whose output grammar is still compiling is passed over (it joins a later batch). The
-    members' prompts are prefilled together, spread over as many iterations as the token budget
+    systems do, so a running batch never runs out (a sliding-window group's share: only the
+    blocks its window and one step span, `num_reserved_blocks`); with prefix caching on, a
+    member starts from its cached prefix at formation and its reservation leaves out the
+    blocks it shares. A request whose output grammar is still compiling is passed over (it
+    joins a later batch). The members' prompts are prefilled together, spread over as many iterations as the token budget
     needs. Nobody joins meanwhile; a member that finishes early returns at once and its seat
     stays empty until the whole batch is done. The later choices of an `n > 1` request start
     once their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
@@ -131,7 +132,7 @@ class StaticScheduler(Scheduler):
                 continue
             follows = self.waits_for_leader(seq)
             hit = NO_HIT if follows else self.prefix_hit(seq)
-            reserve = bm.num_new_blocks(seq, seq.max_total_tokens, hit)
+            reserve = bm.num_reserved_blocks(seq, seq.max_total_tokens, self._most_step(seq), hit)
             if self.running and reserve > free_blocks:
                 break
             if follows:  # NOTE: reserved in full; it starts from its leader's blocks later
@@ -143,6 +144,13 @@ class StaticScheduler(Scheduler):
                 self.admit(seq, hit, 0, batch)
             free_blocks -= reserve
         self._aligned_len = min((len(s.prompt_token_ids) for s in self.running), default=0)
+
+    def _most_step(self, seq: Sequence) -> int:
+        """The most tokens one step of `seq` computes: its prompt within the token budget, or
+        a decode with its drafts (a sliding window's blocks are reserved for that much)."""
+        spec = self.config.speculative_config
+        decode = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        return max(min(seq.num_tokens, self.config.max_num_batched_tokens), decode)
 
     def _start_followers(self, batch: Batch) -> None:
         """Start the later choices whose leader has now cached the prompt, from its blocks
