@@ -176,8 +176,18 @@ class BlockManager(WindowBlocks):
         """The most free blocks `seq` takes at any time on its way to its first `num_tokens`
         slots, if no step of it computes more than `step_tokens` tokens: `num_new_blocks`
         with each window group's share capped by the blocks its window and one step span
-        (`window_peak`; a static batch's worst-case reservation)."""
+        (`window_peak`; a static batch's worst-case reservation).
+
+        Capped, a window group's share counts every block of a prefix hit there, the ones
+        another sequence holds too: that one may drop them (its window moved on) while this
+        one still holds them, so a share that left them out would no longer cover what this
+        sequence holds at once (the full group never drops a block, so its count may)."""
         full, *windows = self._new_blocks_by_group(seq, num_tokens, prefix)
+        if prefix is not None:
+            num_blocks = blocks_for(num_tokens, self.block_size)
+            held = len(prefix.block_ids)
+            hit = [*map(len, prefix.window_block_ids), *[0] * len(self.windows)]
+            windows = [num_blocks - held + hit[g] for g in range(len(self.windows))]
         capped = [min(n, self.window_peak(g, step_tokens)) for g, n in enumerate(windows)]
         return max(0, full + sum(capped))
 

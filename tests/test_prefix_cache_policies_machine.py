@@ -2,8 +2,10 @@
 
 Unlike test_prefix_cache_machine.py (the block manager alone), here orca, static and lpm make
 every admission decision, with chunked prefill on or off, `n > 1` requests and a KV cache of
-a few blocks. A fake backend "computes" each scheduled token by recording which token prefix
-its KV slot was computed from, and samples a token that depends only on that prefix (so equal
+a few blocks, in one group or with sliding-window groups beside it (a static batch's
+reservation must then cover window blocks another member drops while this one holds them).
+A fake backend "computes" each scheduled token by recording which token prefix its KV slot
+was computed from, and samples a token that depends only on that prefix (so equal
 histories continue equally and outputs get shared too). After every step: the accounting
 holds, every slot a sequence attends to holds KV of its own prefix (a hit never serves wrong
 KV), and no two sequences of a batch write the same block, nor anyone a shared one.
@@ -57,9 +59,16 @@ class PolicyMachine(RuleBasedStateMachine):
         budget=st.integers(2, 8),
         max_num_seqs=st.integers(1, 4),
         max_skips=st.integers(0, 3),
+        windows=st.sampled_from([(), (), (3,), (5, 2)]),
     )
     def start(
-        self, policy: str, chunked: bool, budget: int, max_num_seqs: int, max_skips: int
+        self,
+        policy: str,
+        chunked: bool,
+        budget: int,
+        max_num_seqs: int,
+        max_skips: int,
+        windows: tuple[int, ...],
     ) -> None:
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -68,7 +77,9 @@ class PolicyMachine(RuleBasedStateMachine):
             enable_prefix_caching=True,
             max_model_len=NUM_BLOCKS * BS,
         )
-        bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True)
+        bm = BlockManager(NUM_BLOCKS, BS, enable_prefix_caching=True, windows=windows)
+        if windows:
+            event(f"{policy}: window groups {windows}")
         self.sched = create_scheduler(policy, config, bm, {"max_skips": max_skips})
 
     # -- rules -------------------------------------------------------------------------------

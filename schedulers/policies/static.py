@@ -55,14 +55,15 @@ class StaticScheduler(Scheduler):
     blocks its window and one step span, `num_reserved_blocks`); with prefix caching on, a
     member starts from its cached prefix at formation and its reservation leaves out the
     blocks it shares. A request whose output grammar is still compiling is passed over (it
-    joins a later batch). The members' prompts are prefilled together, spread over as many iterations as the token budget
-    needs. Nobody joins meanwhile; a member that finishes early returns at once and its seat
-    stays empty until the whole batch is done. The later choices of an `n > 1` request start
-    once their first choice has cached the prompt (see `Scheduler.waits_for_leader`).
-    `num_microbatches` is for a pipelined backend (backends/sim_plan.py reads it).
-    `align_prompts` runs a batch as FasterTransformer does (Yu et al., OSDI '22, section 6.2):
-    its first step takes every member as if its prompt were the batch's shortest, and a longer
-    member feeds the rest of its prompt one token per step before its first output token.
+    joins a later batch). The members' prompts are prefilled together, spread over as many
+    iterations as the token budget needs. Nobody joins meanwhile; a member that finishes early
+    returns at once and its seat stays empty until the whole batch is done. The later choices
+    of an `n > 1` request start once their first choice has cached the prompt (see
+    `Scheduler.waits_for_leader`). `num_microbatches` is for a pipelined backend
+    (backends/sim_plan.py reads it). `align_prompts` runs a batch as FasterTransformer does
+    (Yu et al., OSDI '22, section 6.2): its first step takes every member as if its prompt
+    were the batch's shortest, and a longer member feeds the rest of its prompt one token per
+    step before its first output token.
     """
 
     Options = StaticOptions
