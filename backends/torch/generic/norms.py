@@ -93,21 +93,27 @@ def offset_norm(module: nn.Module) -> bool:
 def offset_norm_forward(module: Any, kernels: ModuleType) -> Callable[[torch.Tensor], torch.Tensor]:
     """`module`'s step-time forward: the kernel over fp32 rows, `1 + w` its weight (the module)."""
     own = type(module).forward.__get__(module)
-    offset: list[tuple[tuple[int, int, torch.dtype], torch.Tensor]] = []
+    made: dict[str, Any] = {}  # the weight `1 + w` was made from, its state, and `1 + w`
 
-    def one_plus_w() -> torch.Tensor:
-        weight = module.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype)
-        if not offset or offset[0][0] != key:  # a cast or an in-place load changes the weight
-            offset[:] = [(key, (1.0 + weight.detach().float()).contiguous())]
-        return offset[0][1]
+    def one_plus_w(weight: torch.Tensor) -> torch.Tensor:
+        # a new weight, a cast (new data) or an in-place load (a new version) changes it
+        state = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, weight.dtype)
+        if made.get("weight") is not weight or made["state"] != state:
+            made.update(weight=weight, state=state, value=(1.0 + weight.detach().float()))
+        value: torch.Tensor = made["value"]
+        return value
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype not in _OFFSET_DTYPES:
+        weight = module.weight
+        if (
+            x.device.type != "cpu"
+            or x.dtype not in _OFFSET_DTYPES
+            or weight.shape != x.shape[-1:]  # a weight HF would broadcast
+        ):
             fallback: torch.Tensor = own(x)
             return fallback
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        out: torch.Tensor = kernels.rms_norm(rows, one_plus_w(), float(module.eps))
+        out: torch.Tensor = kernels.rms_norm(rows, one_plus_w(weight), float(module.eps))
         return out.to(x.dtype).view(x.shape)
 
     return forward
