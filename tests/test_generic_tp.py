@@ -18,11 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import PreTrainedModel
 
 from backends.torch.parallel.backend import TensorParallelBackend
+from backends.torch.parallel.generic_shard import split_head
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
-from backends.torch.parallel.tp_plan import choose_split
+from backends.torch.parallel.tp_plan import GenericPlan, choose_split
 from backends.torch.testing.tiny_generic import tiny_generic_model
 from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_tokenizer
 from tests.test_generic_oracle import (
@@ -139,3 +141,19 @@ def test_a_plan_the_generic_path_cannot_run_is_refused_by_name(
     config.base_model_tp_plan = {**config.base_model_tp_plan, **plan} if plan else {}
     with pytest.raises(ValueError, match=rf"^Qwen3MoeForCausalLM cannot run .*{reason}"):
         choose_split(config, 2)
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("gemma3", True), ("qwen3_moe", False)])
+def test_a_split_head_holds_its_vocabulary_rows_a_tied_one_as_a_view(arch: str, tied: bool) -> None:
+    """Rank 1 of 2's head: the second 160 of the 320 rows; tied to the embedding, a view of
+    its rows (no memory added), untied a copy of them alone; and both plans split it."""
+    model = tiny_generic_model(arch)
+    assert GenericPlan.of(model.config, 1, 2).vocab == range(160, 320)
+    embedding = model.get_input_embeddings().weight
+    whole = model.get_output_embeddings().weight.detach().clone()
+    assert (model.get_output_embeddings().weight is embedding) == tied
+    split_head(model, range(160, 320))
+    head = model.get_output_embeddings()
+    assert head.out_features == 160 and torch.equal(head.weight, whole[160:])
+    shares = head.weight.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    assert shares == tied

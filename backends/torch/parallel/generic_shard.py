@@ -67,13 +67,14 @@ def split_head(model: Any, rows: range) -> None:
     """`model`'s LM head cut to its vocabulary `rows` (see the module)."""
     head: nn.Linear = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
-    part = nn.Linear(head.in_features, len(rows), bias=head.bias is not None)
+    with torch.device("meta"):  # its weights are the rows below: none allocated first
+        part = nn.Linear(head.in_features, len(rows), bias=head.bias is not None)
     with torch.no_grad():
         weight = head.weight[rows.start : rows.stop]
         part.weight = nn.Parameter(weight if tied else weight.clone(), requires_grad=False)
         if head.bias is not None:
             part.bias = nn.Parameter(head.bias[rows.start : rows.stop].clone(), requires_grad=False)
-    model.set_output_embeddings(part.to(head.weight.device))
+    model.set_output_embeddings(part)
 
 
 def _load_whole(model: Any, files: dict[str, Path], skip: set[str], dtype: torch.dtype) -> None:

@@ -153,8 +153,15 @@ class RankBackend(TorchBackend):
             "num_kv_heads": self.kv_cache.layout.num_kv_heads,
             "first_kv_head": self.plan.kv_heads.start,
             "num_heads": len(self.plan.q_heads),
-            "vocab_rows": self.plan.vocab.stop - self.plan.vocab.start,
+            "vocab_rows": self._head_rows(),
         }
+
+    def _head_rows(self) -> int:
+        """The vocabulary rows this rank's LM head computes (read off the module)."""
+        if isinstance(self.plan, GenericPlan):
+            head = self.hf_model.get_output_embeddings()
+            return int(head.weight.shape[0])
+        return self.plan.vocab.stop - self.plan.vocab.start
 
     def free(self) -> None:
         """Drop this rank's KV cache (the weights go with the object)."""

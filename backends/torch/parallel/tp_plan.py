@@ -164,13 +164,17 @@ class GenericPlan:
 
 def head_splits(model: nn.Module, world_size: int) -> bool:
     """Whether `model`'s LM head splits by vocabulary rows over `world_size` ranks: its class's
-    `_tp_plan` gathers it after a colwise split, it is a plain `nn.Linear` (a model with
-    another head keeps it whole) and `world_size` divides its rows."""
+    `_tp_plan` gathers it after a colwise split, it is a plain `nn.Linear` of the config's
+    vocabulary (a model with another head keeps it whole) and `world_size` divides its rows."""
     plan = getattr(model, "_tp_plan", None) or {}
-    head = getattr(model, "lm_head", None)
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     return (
         plan.get("lm_head") in GATHERED_HEAD_STYLES
+        and head is getattr(model, "lm_head", None)
+        and isinstance(head, nn.Linear)
         and type(head) is nn.Linear
+        and head.out_features == vocab
         and head.out_features % world_size == 0
     )
 
