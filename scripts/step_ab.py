@@ -5,8 +5,9 @@
         compiled:attention_backend=inductor_paged,compile=true
 
 Each variant (`NAME:KEY=VALUE,...`, `TorchBackend` keyword arguments, as in roofline.py, and
-`generic_fusion=false`: the generic path without its fused swaps, backends/torch/generic/)
-gets one batch of B sequences with 64-token prompts (scripts/bench_forward.py's
+`generic_fusion=false`: the generic path without its fused swaps, backends/torch/generic/;
+`offset_norms=false`: without its `(1 + w)` norms on the kernel, generic/norms.py) of
+`--model` gets one batch of B sequences with 64-token prompts (scripts/bench_forward.py's
 `DecodeBatch`); the decode steps then go round-robin across the variants, so a load spike on
 a shared machine lands on all of them alike. Prints the median step of each (wall and
 process CPU time) and its speed relative to the first variant.
@@ -30,24 +31,29 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_forward import DecodeBatch  # noqa: E402
 from roofline import parse_variant  # noqa: E402
 
+from backends.torch.generic import fusion  # noqa: E402
 from backends.torch.generic import model as generic_model  # noqa: E402
 from backends.torch.runner.backend import TorchBackend  # noqa: E402
 
 
 @contextlib.contextmanager
 def generic_fusion(kwargs: dict[str, Any]) -> Iterator[None]:
-    """The variant's `generic_fusion` (taken out of `kwargs`) while its model is built."""
-    before = generic_model.FUSE
+    """The variant's `generic_fusion` and `offset_norms` (taken out of `kwargs`) while its
+    model is built."""
+    before, offset = generic_model.FUSE, fusion.offset_norms
     generic_model.FUSE = bool(kwargs.pop("generic_fusion", before))
+    if not kwargs.pop("offset_norms", True):
+        fusion.offset_norms = lambda *_: []  # type: ignore[assignment]
     try:
         yield
     finally:
-        generic_model.FUSE = before
+        generic_model.FUSE, fusion.offset_norms = before, offset
 
 
 def main() -> None:
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="default", help="a model name or HF directory")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--steps", type=int, default=16)
@@ -57,7 +63,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants]
     first_name, first_kwargs = variants[0]
     with generic_fusion(first_kwargs):
-        base = TorchBackend.load("default", device="cpu", dtype=args.dtype, kv_cache_gb=0.6,
+        base = TorchBackend.load(args.model, device="cpu", dtype=args.dtype, kv_cache_gb=0.6,
                                  max_model_len=512, **first_kwargs)  # fmt: skip
     backends = {first_name: base}
     for name, kwargs in variants[1:]:
