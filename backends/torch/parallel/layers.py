@@ -59,12 +59,7 @@ class GatheredLMHead(Linear):
         self.world_size = world_size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        local = super().__call__(x).contiguous()  # (B, V / n)
-        parts = (
-            [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else None
-        )
-        dist.gather(local, parts, group_dst=0)
-        return local if parts is None else torch.cat(parts, dim=-1)  # (B, V) on rank 0
+        return gather_last_dim(super().__call__(x), self.rank, self.world_size)
 
 
 class VocabParallelEmbedding:
@@ -89,15 +84,19 @@ def all_reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> tor
     return output
 
 
-def gather_vocab(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    """A forward hook on a vocabulary-split LM head: rank 0 gets the whole logits along the
-    last dimension, in rank order; the other ranks keep their part (only rank 0 samples)."""
-    local = output.contiguous()
-    parts = None
-    if dist.get_rank() == 0:
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+def gather_last_dim(local: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Every rank's `local` part (its vocabulary columns of the logits) concatenated along
+    the last dimension in rank order, on rank 0; the other ranks keep their part (only rank
+    0 samples)."""
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
     dist.gather(local, parts, group_dst=0)
     return local if parts is None else torch.cat(parts, dim=-1)
+
+
+def gather_vocab(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook on a vocabulary-split LM head: its logits gathered on rank 0."""
+    return gather_last_dim(output, dist.get_rank(), dist.get_world_size())
 
 
 class RankPlacement:
