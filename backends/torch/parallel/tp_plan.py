@@ -112,8 +112,9 @@ class GenericPlan:
     @classmethod
     def of(cls, config: PretrainedConfig, rank: int, world_size: int) -> GenericPlan:
         """Rank `rank`'s plan (ValueError, one line naming the class, where none runs)."""
-        entries, (heads, mlp) = choose_split(config, world_size)
-        vocab = head_splits(_meta_model(config), world_size)
+        full = _meta_model(config)
+        entries, (heads, mlp) = _choose_split(full, config, world_size)
+        vocab = head_splits(full, world_size)
         return cls(entries, dims_of(config), rank, world_size, heads, mlp, vocab)
 
     def _part(self, total: int, split: bool) -> range:
@@ -172,7 +173,6 @@ def head_splits(model: nn.Module, world_size: int) -> bool:
     return (
         plan.get("lm_head") in GATHERED_HEAD_STYLES
         and head is getattr(model, "lm_head", None)
-        and isinstance(head, nn.Linear)
         and type(head) is nn.Linear
         and head.out_features == vocab
         and head.out_features % world_size == 0
@@ -212,7 +212,13 @@ def choose_split(
     """The plan's entries and the local config's split (heads, intermediate size) under which
     `world_size` ranks hold exactly the plan's parts; ValueError, one line naming the class and
     the reason, where none does."""
-    full = _meta_model(config)
+    return _choose_split(_meta_model(config), config, world_size)
+
+
+def _choose_split(
+    full: nn.Module, config: PretrainedConfig, world_size: int
+) -> tuple[tuple[PlanEntry, ...], tuple[bool, bool]]:
+    """`choose_split` over `full`, the whole model `config` builds on the meta device."""
     name = type(full).__name__
     entries = plan_entries(config, str(getattr(full, "base_model_prefix", "model")))
     reason = _why_plan_cannot_run(full, entries)
