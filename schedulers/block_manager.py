@@ -182,20 +182,22 @@ class BlockManager(WindowBlocks):
         another sequence holds too: that one may drop them (its window moved on) while this
         one still holds them, so a share that left them out would no longer cover what this
         sequence holds at once (the full group never drops a block, so its count may)."""
-        full, *windows = self._new_blocks_by_group(seq, num_tokens, prefix)
-        if prefix is not None:
-            num_blocks = blocks_for(num_tokens, self.block_size)
-            held = len(prefix.block_ids)
-            hit = [*map(len, prefix.window_block_ids), *[0] * len(self.windows)]
-            windows = [num_blocks - held + hit[g] for g in range(len(self.windows))]
+        full, *windows = self._new_blocks_by_group(seq, num_tokens, prefix, shared_windows=True)
         capped = [min(n, self.window_peak(g, step_tokens)) for g, n in enumerate(windows)]
         return max(0, full + sum(capped))
 
     def _new_blocks_by_group(
-        self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None
+        self,
+        seq: Sequence,
+        num_tokens: int,
+        prefix: PrefixHit | None,
+        *,
+        shared_windows: bool = False,
     ) -> list[int]:
         """`num_new_blocks`' count per group, the full one first (a window group's may be
-        negative: the blocks it drops free more than it takes)."""
+        negative: the blocks it drops free more than it takes); `shared_windows`: a window
+        group's count takes every block of the hit there, others' too, not only the cached
+        ones no one holds."""
         num_blocks = blocks_for(num_tokens, self.block_size)
         if prefix is None:
             counts = [max(0, num_blocks - len(seq.block_table))]
@@ -209,10 +211,15 @@ class BlockManager(WindowBlocks):
         self._check_prefix(seq, num_tokens, prefix)
         held = len(prefix.block_ids)
         counts = [
-            num_blocks - held + sum(1 for b in ids if self._ref_counts[b] == 0)
-            for ids in (prefix.block_ids, *prefix.window_block_ids)
+            num_blocks - held + (len(ids) if group > 0 and shared_windows else self._unheld(ids))
+            for group, ids in enumerate((prefix.block_ids, *prefix.window_block_ids))
         ]
         return counts + [num_blocks - held] * (len(self.windows) - len(prefix.window_block_ids))
+
+    def _unheld(self, block_ids: tuple[int, ...]) -> int:
+        """How many of `block_ids` no sequence holds (cached only: taking one takes it out of
+        the free count)."""
+        return sum(1 for b in block_ids if self._ref_counts[b] == 0)
 
     def can_allocate(self, seq: Sequence, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         return self.num_new_blocks(seq, num_tokens, prefix) <= self.num_free_blocks
