@@ -87,15 +87,20 @@ def test_swaps_compute_what_the_hf_modules_do() -> None:
     model = generic_model("qwen2")
     spy = KernelSpy(kernels.native()) if KERNELS else None
     fusion = build_fusion(model, pack_plan(torch.device("cpu"), torch.float32), spy, DTYPES)
+    assert_swaps_keep_the_logits(model, fusion)
+    if spy is not None:  # each layer's input norm and the final one; each post-attention one
+        layers = model.config.num_hidden_layers
+        assert (spy.norms, spy.folds) == (layers + 1, layers) == (layers + 1, fusion.report.folded)
+
+
+def assert_swaps_keep_the_logits(model: PreTrainedModel, fusion: Fusion) -> None:
+    """HF's own forward of one prompt with `fusion`'s swaps in equals it without (fp32)."""
     ids = torch.tensor([prompts()[5]])
     with torch.inference_mode():
         before = model(input_ids=ids).logits
         with fusion.swaps.swapped_in():
             after = model(input_ids=ids).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
-    if spy is not None:  # each layer's input norm and the final one; each post-attention one
-        layers = model.config.num_hidden_layers
-        assert (spy.norms, spy.folds) == (layers + 1, layers) == (layers + 1, fusion.report.folded)
 
 
 DTYPES = (torch.float32,)
@@ -189,12 +194,7 @@ def test_offset_norm_swaps_compute_what_the_hf_modules_do(arch: str) -> None:
     layers = model.config.num_hidden_layers
     per_layer = 6 if arch == "gemma3" else 4  # Gemma 2 has no q/k norms
     assert fusion.report.offset_norms == per_layer * layers + 1
-    ids = torch.tensor([prompts()[5]])
-    with torch.inference_mode():
-        before = model(input_ids=ids).logits
-        with fusion.swaps.swapped_in():
-            after = model(input_ids=ids).logits
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert_swaps_keep_the_logits(model, fusion)
     assert spy.norms == per_layer * layers + 1
     norm = next(m for m in model.modules() if offset_norm(m))
     x = torch.randn(7, 3, norm.weight.shape[0]).bfloat16()
