@@ -44,14 +44,17 @@ class StepSwaps:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The swapped forwards for the block; the modules' own afterwards."""
-        modules = [module for module, _ in self._forwards.values()]
-        for module, forward in self._forwards.values():
-            module.forward = forward  # type: ignore[method-assign]
+        # NOTE: straight into the instance dicts: `nn.Module.__setattr__` / `__delattr__` look
+        # through its parameters, buffers and children first, 0.39 ms a step for Gemma 3 270M's
+        # 236 swaps against 0.04 ms (a function is none of those, so the result is the same)
+        held = [(vars(module), forward) for module, forward in self._forwards.values()]
+        for attributes, forward in held:
+            attributes["forward"] = forward
         try:
             yield
         finally:
-            for module in modules:
-                del module.forward
+            for attributes, _ in held:
+                attributes.pop("forward", None)
             for clear in self._after_step:
                 clear()
 
