@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from backends.torch.generic.model import _weight_bytes
 from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.parallel.generic_shard import split_head
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
@@ -157,3 +158,16 @@ def test_a_split_head_holds_its_vocabulary_rows_a_tied_one_as_a_view(arch: str, 
     assert head.out_features == 160 and torch.equal(head.weight, whole[160:])
     shares = head.weight.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
     assert shares == tied
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("gemma3", True), ("qwen3_moe", False)])
+def test_a_split_heads_rank_reports_each_resident_byte_once(arch: str, tied: bool) -> None:
+    """Rank 1's weight bytes (the served report, /metrics): a tied head's rows are the
+    embedding's, so splitting it adds none; an untied head keeps its 160 rows of 320."""
+    model = tiny_generic_model(arch)
+    head_bytes = model.get_output_embeddings().weight.nbytes
+    dtype = str(model.dtype).removeprefix("torch.")
+    whole = _weight_bytes(model, 0)[dtype]
+    split_head(model, range(160, 320))
+    expected = whole if tied else whole - head_bytes // 2
+    assert _weight_bytes(model, 0) == {dtype: expected}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 from types import ModuleType
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -160,18 +159,36 @@ class TransformersCausalLM:
 
 
 def _weight_bytes(hf_model: PreTrainedModel, packed: int) -> dict[str, int]:
-    """Resident parameter bytes by dtype (tied weights counted once), the `packed` bytes of
-    the packed copies under the model's dtype."""
-    seen: dict[int, Any] = {}
+    """Resident parameter bytes by dtype, each byte once (a tied head, and a tensor-parallel
+    rank's head that is a view of some of the embedding's rows, add none), the `packed` bytes
+    of the packed copies under the model's dtype."""
+    spans: dict[tuple[int, torch.dtype], list[tuple[int, int]]] = {}
     for param in hf_model.parameters():
-        seen.setdefault(param.data_ptr(), param)
+        start = param.data_ptr()
+        size = param.numel() * param.element_size()
+        spans.setdefault((param.untyped_storage().data_ptr(), param.dtype), []).append(
+            (start, start + size)
+        )
     out: dict[str, int] = {}
-    for param in seen.values():
-        name = str(param.dtype).removeprefix("torch.")
-        out[name] = out.get(name, 0) + param.numel() * param.element_size()
+    for (_, dtype), ranges in spans.items():
+        name = str(dtype).removeprefix("torch.")
+        out[name] = out.get(name, 0) + _covered(ranges)
     name = str(hf_model.dtype).removeprefix("torch.")
     out[name] = out.get(name, 0) + packed
     return out
+
+
+def _covered(ranges: list[tuple[int, int]]) -> int:
+    """How many bytes the union of the [start, end) `ranges` covers."""
+    total, reached = 0, None
+    for start, end in sorted(ranges):
+        if reached is None or start >= reached:
+            total += end - start
+            reached = end
+        elif end > reached:
+            total += end - reached
+            reached = end
+    return total
 
 
 def _norm_kernels(device: torch.device, dtype: torch.dtype, cpu_kernels: bool) -> ModuleType | None:
