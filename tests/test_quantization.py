@@ -179,7 +179,9 @@ def test_arms_sharing_one_model_share_one_measured_max_rows(
     measured = iter([8, 1, 0, 0])  # what a second measurement would (wrongly) give
     calls: list[int] = []
 
-    def measure(pairs: object, device: object, dtype: object, reps: int = 3) -> int:
+    def measure(
+        pairs: object, device: object, dtype: object, reps: int = 3, speedups: object = None
+    ) -> int:
         calls.append(1)
         return next(measured)
 
@@ -197,3 +199,28 @@ def test_arms_sharing_one_model_share_one_measured_max_rows(
             for b in (first, second)]  # fmt: skip
     assert rows == [(8, 1), (8, 1)]
     assert len(calls) == 2  # the layers and the LM head, once
+
+
+def test_the_measurement_that_chooses_r_gives_its_speedup_without_timing_r_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Known answer: the quantised side takes half the dense time up to 4 rows and twice it at
+    8, so R = 4 for the layers and the LM head, the layers' speedup is 2.0, and each row count
+    is timed once per side (1, 2, 4, 8 for the layers, the same for the head): none again."""
+    from backends.torch.quantization import quantize
+
+    timed: list[int] = []
+
+    def time_both(pairs: object, rows: int, *args: object) -> tuple[float, float]:
+        timed.append(rows)
+        return (1.0, 0.5) if rows <= 4 else (1.0, 2.0)
+
+    monkeypatch.setattr(quantize, "_time_both", time_both)
+    backend = TorchBackend(
+        tiny_model("llama"), tiny_tokenizer(), device="cpu", dtype="bfloat16",
+        kv_cache_gb=0.01, max_model_len=64, quantization="int8",
+    )  # fmt: skip
+    report = backend.model.quantization
+    assert (report.layer_max_rows, report.lm_head_max_rows) == (4, 4)
+    assert report.layer_speedup == 2.0
+    assert timed == [1, 2, 4, 8, 1, 2, 4, 8]

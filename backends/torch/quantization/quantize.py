@@ -179,10 +179,15 @@ def linear_pair(dense: Linear, quantized: QuantizedWeight) -> Pair:
 
 @torch.inference_mode()
 def measure_max_rows(
-    pairs: Sequence[Pair], device: torch.device, dtype: torch.dtype, reps: int = 3
+    pairs: Sequence[Pair],
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int = 3,
+    speedups: dict[int, float] | None = None,
 ) -> int:
     """The most rows for which the quantised kernels beat the dense weights at every row count
-    up to it; 0: never.
+    up to it; 0: never. `speedups`, where given, receives each timed row count's speedup (as
+    `measure_speedup` gives it), so the caller need not time the chosen one again.
 
     Each side runs all of `pairs` in turn, as a step streams every layer's weights from memory
     (one weight alone sits in cache, which flatters the dense side); the sides alternate
@@ -193,6 +198,8 @@ def measure_max_rows(
     best = 0
     for rows in CANDIDATE_ROWS:
         dense_s, quantized_s = _time_both(pairs, rows, device, dtype, reps)
+        if speedups is not None:
+            speedups[rows] = dense_s / quantized_s
         if quantized_s >= dense_s:
             break
         best = rows
@@ -302,13 +309,17 @@ def quantize_linears(
     if fixed is not None:
         layer_rows = head_rows = fixed
     else:  # once per loaded model and layout: every arm serving it takes the same weights
+        timed: dict[int, float] = {}  # the layers' speedup at each row count timed
         layer_rows, head_rows = _shared(
             hf_model, ("max_rows", mode, str(device), dtype, layout),
             lambda: (
-                measure_max_rows(_all_pairs(linears, copies), device, dtype),
+                measure_max_rows(_all_pairs(linears, copies), device, dtype, speedups=timed),
                 measure_max_rows([linear_pair(lm_head, copies["lm_head"])], device, dtype),
             ),
         )  # fmt: skip
+        if layer_rows in timed:  # NOTE: the measurement that chose R timed it: none again
+            _shared(hf_model, ("speedup", mode, str(device), dtype, layout, layer_rows),
+                    lambda: timed[layer_rows])  # fmt: skip
     speedup = 1.0
     if layer_rows > 0:
         speedup = _shared(
