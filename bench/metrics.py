@@ -27,6 +27,9 @@ Per run (one arm at one rate), over the requests that completed:
   misses its SLO. The verdict compares the share (bench/verdict.py).
 - For TTFT, TPOT, ITL and E2E: mean, p50, p90, p99 in milliseconds (numpy's linear
   interpolation between order statistics); `None` when there are no samples.
+- client CPU: the bench process's own CPU seconds over the run (`time.process_time`): the
+  load the client put on a machine it shares with the server. A faster server takes the
+  same client work in less time, so on a small shared machine the client weighs on it more.
 - failed: requests that got an HTTP error status, an in-stream `error` event, or a transport
   error or timeout. cancelled: requests in flight when the run was interrupted (Ctrl-C);
   neither counts in the statistics above.
@@ -108,7 +111,10 @@ def meets_slo(result: RequestResult, slo: Slo) -> bool:
 
 
 def compute_metrics(
-    results: list[RequestResult], duration_s: float, slo: Slo | None = None
+    results: list[RequestResult],
+    duration_s: float,
+    slo: Slo | None = None,
+    client_cpu_s: float | None = None,
 ) -> dict[str, Any]:
     """The run's metrics (see the module docstring), as a JSON-ready dict."""
     slo = slo or Slo()
@@ -124,6 +130,7 @@ def compute_metrics(
         "failed": sum(r.error is not None for r in results),
         "cancelled": sum(r.cancelled for r in results),
         "duration_s": duration_s,
+        "client_cpu_s": client_cpu_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) * per_s,

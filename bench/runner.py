@@ -20,6 +20,7 @@ import dataclasses
 import math
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,13 +166,15 @@ async def _run_one(
         disable=None if cfg.progress else True,
         file=sys.stderr,
     )
+    began_cpu = time.process_time()
     try:
         outcome = await run_requests(
             client, specs, offsets, arm, stop, on_done=lambda _: bar.update()
         )
     finally:
         bar.close()
-    metrics = compute_metrics(outcome.results, outcome.duration_s, cfg.slo)
+    client_cpu_s = time.process_time() - began_cpu
+    metrics = compute_metrics(outcome.results, outcome.duration_s, cfg.slo, client_cpu_s)
     record = RunRecord(name, arm, rate, outcome, metrics, num_requests=len(specs))
     if cfg.fetch_trace:
         root = server_root(cfg.client.api_base)

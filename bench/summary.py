@@ -67,6 +67,8 @@ def results_block(report: dict[str, Any]) -> list[str]:
             ("Requests ok / failed", [f"{x['completed']} / {x['failed']}" for x in m]),
             *((label, [_num(x[key]) for x in m]) for label, key in COUNTS),
         ]
+        if all(x.get("client_cpu_s") is not None for x in m):
+            rows.append(("Client CPU time (s)", [_num(x["client_cpu_s"]) for x in m]))
         if slo:
             share = ["-" if x["goodput_share"] is None else f"{x['goodput_share']:.0%}" for x in m]
             rows.append(("Goodput (req/s)", [_num(x["goodput"]) for x in m]))

@@ -16,6 +16,10 @@ after its turn), so an idle server takes nothing from it: with llama-server mere
 it, Carousel's burst measured 250-270 tok/s against 283-290 without it (two runs, Zen 4).
 `--no-pause` keeps every server running throughout, as before.
 
+Each burst also records its duration and the bench client's own CPU seconds during it
+(`client_cpu_s`): the client shares the cores, and takes the same work in less time from a
+faster server.
+
 `transformers serve` rejects `ignore_eos`, so every server runs without it (`--no-ignore-eos`)
 and output tok/s counts the tokens each actually sent. Every server listens on 127.0.0.1 and
 is stopped by its pid (and wrapped in `timeout`). Writes `summary.json` under --out.
@@ -192,6 +196,9 @@ def measure_turn(
     row = results.setdefault(name, {})
     row.setdefault("burst_output_tok_s", []).append(b["output_throughput"])
     row.setdefault("burst_completed", []).append(b["completed"])
+    # NOTE: the load the client put on the shared cores during the burst (bench/metrics.py)
+    row.setdefault("burst_client_cpu_s", []).append(b["client_cpu_s"])
+    row.setdefault("burst_duration_s", []).append(b["duration_s"])
     row.setdefault("single_median_itl_ms", []).append(s["itl_ms"]["p50"])
     print(name, r, json.dumps({k: v[-1] for k, v in row.items()}), flush=True)
 
