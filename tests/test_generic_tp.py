@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from backends.torch.generic.model import _weight_bytes
 from backends.torch.parallel.backend import TensorParallelBackend
-from backends.torch.parallel.generic_shard import split_head
+from backends.torch.parallel.generic_shard import split_embedding, split_head
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
 from backends.torch.parallel.tp_plan import GenericPlan, choose_split
 from backends.torch.testing.tiny_generic import tiny_generic_model
@@ -93,12 +93,14 @@ def test_each_rank_caches_its_own_kv_heads_and_computes_its_half_of_the_vocabula
     assert {r["num_blocks"] for r in ranks} == {tp_backend.kv_cache_spec.num_blocks}
     # 4 query heads over 2 KV heads: each rank probes (and caches) its half; the CausalLM's
     # `_tp_plan` gathers the LM head after a colwise split, so each rank computes 160 of the
-    # 320 vocabulary rows (its embedding is whole) and rank 0 samples from the whole logits
+    # 320 vocabulary rows and rank 0 samples from the whole logits; the instance's plan splits
+    # the embedding (`embedding_rowwise`), so each rank holds the same 160 rows of it
     assert [(r["num_heads"], r["num_kv_heads"], r["first_kv_head"]) for r in ranks] == [
         (2, 1, 0),
         (2, 1, 1),
     ]
     assert [r["vocab_rows"] for r in ranks] == [160, 160]
+    assert [r["embedding_rows"] for r in ranks] == [160, 160]
 
 
 @pytest.mark.parametrize(
@@ -161,13 +163,20 @@ def test_a_split_head_holds_its_vocabulary_rows_a_tied_one_as_a_view(arch: str, 
 
 
 @pytest.mark.parametrize(("arch", "tied"), [("gemma3", True), ("qwen3_moe", False)])
-def test_a_split_heads_rank_reports_each_resident_byte_once(arch: str, tied: bool) -> None:
+def test_a_split_vocabularys_rank_reports_each_resident_byte_once(arch: str, tied: bool) -> None:
     """Rank 1's weight bytes (the served report, /metrics): a tied head's rows are the
-    embedding's, so splitting it adds none; an untied head keeps its 160 rows of 320."""
+    embedding's, so splitting it adds none; an untied head keeps its 160 rows of 320; the
+    split embedding keeps its 160 rows, and a tied head is those rows."""
     model = tiny_generic_model(arch)
+    embedding = model.get_input_embeddings()
     head_bytes = model.get_output_embeddings().weight.nbytes
+    table_bytes = embedding.weight.nbytes
     dtype = str(model.dtype).removeprefix("torch.")
     whole = _weight_bytes(model, 0)[dtype]
     split_head(model, range(160, 320))
     expected = whole if tied else whole - head_bytes // 2
     assert _weight_bytes(model, 0) == {dtype: expected}
+    split_embedding(model, range(160, 320))
+    assert _weight_bytes(model, 0) == {dtype: expected - table_bytes // 2}
+    assert embedding.weight.shape[0] == embedding.num_embeddings == 160
+    assert (model.get_output_embeddings().weight is embedding.weight) == tied

@@ -9,7 +9,8 @@ module holds them stacked), as `from_pretrained` converts them. A rowwise module
 on rank 0 only (zeros elsewhere), so the all-reduce of the partial products holds it once.
 Where the plan splits the LM head (tp_plan.py), the rank's head is a new `nn.Linear` over its
 vocabulary rows: a view of the embedding's rows where the two are tied, else a copy of its rows
-(the whole head freed).
+(the whole head freed). Where it splits the embedding too, the embedding keeps a copy of those
+rows alone (the whole table freed), and a tied head is that copy.
 """
 
 from __future__ import annotations
@@ -60,7 +61,26 @@ def load_generic_shard(
     model = finish_shard(model, model_dir, tied_head(config, files), device)
     if plan.split_vocab:
         split_head(model, plan.vocab)
+    if plan.split_embedding:
+        split_embedding(model, plan.vocab)
     return model
+
+
+def split_embedding(model: Any, rows: range) -> None:
+    """`model`'s embedding cut to a copy of its vocabulary `rows`; a head tied to it (split to
+    the same rows first: a view of them) made that copy (see the module)."""
+    embedding: nn.Embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.untyped_storage().data_ptr() == (
+        embedding.weight.untyped_storage().data_ptr()
+    )
+    with torch.no_grad():
+        local = embedding.weight[rows.start : rows.stop].clone()
+    embedding.weight = nn.Parameter(local, requires_grad=False)
+    embedding.num_embeddings = len(rows)
+    embedding.padding_idx = None  # NOTE: the lookup ignores it; it may lie outside the rows
+    if tied:
+        head.weight = embedding.weight
 
 
 def split_head(model: Any, rows: range) -> None:

@@ -18,7 +18,9 @@ That is 2 all-reduces per layer, plus one for the embedding and one gather, per 
 
 On the generic path (the model's own transformers code, tp_plan.py) the HF modules stay as
 they are: `all_reduce_output`, a forward hook on each rowwise module, sums its partial output,
-and `gather_vocab`, one on a split LM head, gathers its vocabulary parts on rank 0.
+`gather_vocab`, one on a split LM head, gathers its vocabulary parts on rank 0, and
+`EmbeddingRows`, a pre-hook and a hook on a split embedding, looks up the ids inside the rank's
+rows and sums the parts, as `VocabParallelEmbedding` does.
 """
 
 from __future__ import annotations
@@ -76,6 +78,32 @@ class VocabParallelEmbedding:
         hidden.masked_fill_(outside[:, None], 0.0)
         dist.all_reduce(hidden)
         return hidden
+
+
+class EmbeddingRows:
+    """Hooks making an HF embedding that holds the vocabulary rows `[start, start + rows)`
+    vocabulary-parallel: `before` turns the ids into row indices (those outside into 0),
+    `after` zeros their rows of the output and sums the ranks' outputs. Exact: each id's row
+    comes from one rank, and adding zeros changes no value."""
+
+    def __init__(self, embedding: nn.Embedding, start: int) -> None:
+        self.start, self.rows = start, embedding.num_embeddings
+        self._outside: torch.Tensor | None = None
+        embedding.register_forward_pre_hook(self.before)
+        embedding.register_forward_hook(self.after)
+
+    def before(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        ids, *rest = args
+        local = ids - self.start
+        self._outside = (local < 0) | (local >= self.rows)
+        return (local.masked_fill(self._outside, 0), *rest)
+
+    def after(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        outside, self._outside = self._outside, None
+        assert outside is not None, "the embedding ran without its pre-hook"
+        output = output.masked_fill(outside[..., None], 0.0)
+        dist.all_reduce(output)
+        return output
 
 
 def all_reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,12 @@ from backends.torch.loader import config_dtype
 from backends.torch.models import architecture_of
 from backends.torch.parallel.channel import Channel
 from backends.torch.parallel.generic_shard import load_generic_shard
-from backends.torch.parallel.layers import RankPlacement, all_reduce_output, gather_vocab
+from backends.torch.parallel.layers import (
+    EmbeddingRows,
+    RankPlacement,
+    all_reduce_output,
+    gather_vocab,
+)
 from backends.torch.parallel.shard import load_shard
 from backends.torch.parallel.sizes import ModelDims, ShardPlan
 from backends.torch.parallel.step import FlatStep
@@ -75,6 +80,8 @@ class RankBackend(TorchBackend):
                 module.register_forward_hook(all_reduce_output)
             if plan.split_vocab:
                 model.get_output_embeddings().register_forward_hook(gather_vocab)
+            if plan.split_embedding:
+                EmbeddingRows(model.get_input_embeddings(), plan.vocab.start)
 
     def _placement(self) -> RankPlacement | None:
         return RankPlacement(self.plan) if isinstance(self.plan, ShardPlan) else None
@@ -154,6 +161,7 @@ class RankBackend(TorchBackend):
             "first_kv_head": self.plan.kv_heads.start,
             "num_heads": len(self.plan.q_heads),
             "vocab_rows": self._head_rows(),
+            "embedding_rows": self._embedding_rows(),
         }
 
     def _head_rows(self) -> int:
@@ -161,6 +169,12 @@ class RankBackend(TorchBackend):
         if isinstance(self.plan, GenericPlan):
             head = self.hf_model.get_output_embeddings()
             return int(head.weight.shape[0])
+        return self.plan.vocab.stop - self.plan.vocab.start
+
+    def _embedding_rows(self) -> int:
+        """The vocabulary rows this rank's embedding holds (read off the module)."""
+        if isinstance(self.plan, GenericPlan):
+            return int(self.hf_model.get_input_embeddings().weight.shape[0])
         return self.plan.vocab.stop - self.plan.vocab.start
 
     def free(self) -> None:

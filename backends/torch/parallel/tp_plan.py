@@ -26,7 +26,15 @@ native path's `GatheredLMHead` does. For a model like Gemma 3 270M, whose tied 2
 is 168M of its 268M parameters, that head is most of a decode step's work; computed whole on
 every rank, tensor parallelism would split only the rest.
 
-Any other style (packed, embedding, sequence-parallel or MoE-expert styles) is refused by name,
+The embedding is the model's plan too (the instance's `_tp_plan`, `<embedding>:
+embedding_rowwise`): where it names it so, the embedding is an `nn.Embedding` looking each id
+up alone (its own forward, or Gemma's scaled one), N divides its rows and a tied head splits
+with it, each rank holds the same `V / N` rows as its head, looks up the ids inside them (zeros
+for the others) and one all-reduce sums the parts (layers.py `EmbeddingRows`), as the native
+path's `VocabParallelEmbedding` does. A tied model's rank then holds `V / N` rows in all, for
+its embedding and its head alike: for Gemma 3 270M at N = 2, 84M parameters of the 168M.
+
+Any other style (packed, sequence-parallel or MoE-expert styles) is refused by name,
 as is a plan that splits nothing (every rank would run the whole model). The rank's model is
 the HF class built from a local config: the attention heads and KV heads, the MLP's
 intermediate size, or both, divided by N, whichever makes every planned weight exactly its part
@@ -45,7 +53,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
+from backends.torch.generic.swaps import same_code
 from backends.torch.parallel.sizes import ModelDims
 
 #: the weight dimension each split style cuts (colwise: output rows, rowwise: input columns)
@@ -57,6 +67,8 @@ WHOLE_STYLES = frozenset({
 })  # fmt: skip
 #: the CausalLM `_tp_plan` styles of a head whose vocabulary rows split, gathered after
 GATHERED_HEAD_STYLES = frozenset({"colwise_gather_output", "colwise_rep"})
+#: the `_tp_plan` style of an embedding whose vocabulary rows split, summed after
+EMBEDDING_STYLE = "embedding_rowwise"
 #: which sizes the local config divides, most split first: (heads, intermediate size)
 _CHOICES = ((True, True), (True, False), (False, True))
 
@@ -108,6 +120,7 @@ class GenericPlan:
     split_heads: bool
     split_mlp: bool
     split_vocab: bool = False  # the LM head's vocabulary rows (the module doc)
+    split_embedding: bool = False  # the embedding's vocabulary rows (the module doc)
 
     @classmethod
     def of(cls, config: PretrainedConfig, rank: int, world_size: int) -> GenericPlan:
@@ -115,7 +128,8 @@ class GenericPlan:
         full = _meta_model(config)
         entries, (heads, mlp) = _choose_split(full, config, world_size)
         vocab = head_splits(full, world_size)
-        return cls(entries, dims_of(config), rank, world_size, heads, mlp, vocab)
+        embedding = embedding_splits(full, world_size, vocab)
+        return cls(entries, dims_of(config), rank, world_size, heads, mlp, vocab, embedding)
 
     def _part(self, total: int, split: bool) -> range:
         if not split:
@@ -133,8 +147,9 @@ class GenericPlan:
 
     @property
     def vocab(self) -> range:
-        """The LM head's rows this rank computes (the embedding is whole on every rank)."""
-        return self._part(self.dims.vocab_size, self.split_vocab)
+        """The vocabulary rows this rank's LM head computes and, where it splits, its
+        embedding holds (both whole where they do not)."""
+        return self._part(self.dims.vocab_size, self.split_vocab or self.split_embedding)
 
     def local_config(self, config: PretrainedConfig) -> PretrainedConfig:
         return local_config(config, self.dims, self.split_heads, self.split_mlp, self.world_size)
@@ -176,6 +191,39 @@ def head_splits(model: nn.Module, world_size: int) -> bool:
         and type(head) is nn.Linear
         and head.out_features == vocab
         and head.out_features % world_size == 0
+    )
+
+
+def embedding_splits(model: nn.Module, world_size: int, head_splits: bool) -> bool:
+    """Whether `model`'s embedding splits by vocabulary rows over `world_size` ranks: the
+    instance's `_tp_plan` names it `embedding_rowwise`, it is an `nn.Embedding` whose forward
+    looks each id up alone (nn.Embedding's own, or Gemma's scaled one: a row times a constant),
+    without `max_norm` (which rewrites the rows it reads), of the config's vocabulary that
+    `world_size` divides; and a head tied to it splits too (`head_splits`), else the head
+    would need the rows the rank gave up."""
+    embedding = model.get_input_embeddings()  # type: ignore[operator]
+    path = next((p for p, m in model.named_modules() if m is embedding), None)
+    plan = getattr(model, "_tp_plan", None) or {}
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    tied = head is not None and head.weight is getattr(embedding, "weight", None)
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    return (
+        path is not None
+        and plan.get(path) == EMBEDDING_STYLE
+        and isinstance(embedding, nn.Embedding)
+        and looks_up_alone(type(embedding))
+        and embedding.max_norm is None
+        and embedding.num_embeddings == vocab
+        and vocab % world_size == 0
+        and (head_splits or not tied)
+    )
+
+
+def looks_up_alone(cls: type[nn.Embedding]) -> bool:
+    """Whether an embedding class's forward is nn.Embedding's or Gemma's scaled one (the
+    looked-up rows times a constant: each output row depends on its id's row alone)."""
+    return cls.forward is nn.Embedding.forward or same_code(
+        cls, "forward", Gemma3TextScaledWordEmbedding.forward
     )
 
 
@@ -266,10 +314,10 @@ def _why_plan_cannot_run(model: nn.Module, entries: tuple[PlanEntry, ...]) -> st
             if not owners or not all(isinstance(m, nn.Linear) for m in owners):
                 return f"its plan entry {entry.key}: {entry.style} names no nn.Linear"
             split = True
-        elif entry.style not in WHOLE_STYLES:
+        elif entry.style != EMBEDDING_STYLE and entry.style not in WHOLE_STYLES:
             return (
                 f"its plan entry {entry.key}: {entry.style} is not one the generic path runs "
-                "(colwise, rowwise, or whole on every rank)"
+                "(colwise, rowwise, embedding_rowwise, or whole on every rank)"
             )
     if not split:
         return (
