@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
 from backends.torch.config import TRANSFORMERS, TorchBackendConfig
@@ -81,7 +82,9 @@ class RankBackend(TorchBackend):
             if plan.split_vocab:
                 model.get_output_embeddings().register_forward_hook(gather_vocab)
             if plan.split_embedding:
-                EmbeddingRows(model.get_input_embeddings(), plan.vocab.start)
+                embedding = model.get_input_embeddings()
+                assert isinstance(embedding, nn.Embedding)  # tp_plan.embedding_splits
+                EmbeddingRows(embedding, plan.vocab.start)
 
     def _placement(self) -> RankPlacement | None:
         return RankPlacement(self.plan) if isinstance(self.plan, ShardPlan) else None
