@@ -19,13 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from backends.torch.generic.model import _weight_bytes
+from backends.torch.parallel import layers
 from backends.torch.parallel.backend import TensorParallelBackend
 from backends.torch.parallel.generic_shard import split_embedding, split_head
 from backends.torch.parallel.group import TensorParallelGroup, acquire_group, release_group
-from backends.torch.parallel.tp_plan import GenericPlan, choose_split
+from backends.torch.parallel.tp_plan import GenericPlan, choose_split, embedding_splits
 from backends.torch.testing.tiny_generic import tiny_generic_model
 from backends.torch.testing.tiny_models import BLOCK_SIZE, tiny_tokenizer
 from tests.test_generic_oracle import (
@@ -180,3 +182,60 @@ def test_a_split_vocabularys_rank_reports_each_resident_byte_once(arch: str, tie
     assert _weight_bytes(model, 0) == {dtype: expected - table_bytes // 2}
     assert embedding.weight.shape[0] == embedding.num_embeddings == 160
     assert (model.get_output_embeddings().weight is embedding.weight) == tied
+
+
+def test_each_half_of_a_split_embedding_looks_up_its_own_ids_and_the_halves_sum_to_the_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`EmbeddingRows` on the two halves of a tiny Gemma 3's scaled embedding, in one process
+    (the all-reduce replaced by the test's sum): each half gives its ids' rows and zeros for
+    the others, by position or keyword; an id outside the vocabulary raises before any
+    collective."""
+    monkeypatch.setattr(layers.dist, "all_reduce", lambda tensor: None)
+    ids = torch.tensor([[0, 159, 160, 319, 7, 300]])
+    expected = tiny_generic_model("gemma3").get_input_embeddings()(ids)
+    parts = []
+    for rows in (range(0, 160), range(160, 320)):
+        model = tiny_generic_model("gemma3")
+        split_embedding(model, rows)
+        embedding = model.get_input_embeddings()
+        layers.EmbeddingRows(embedding, rows.start, 320)
+        part = embedding(ids)
+        assert torch.equal(embedding(input_ids=ids), part)  # Gemma's keyword
+        inside = (ids >= rows.start) & (ids < rows.stop)
+        assert torch.equal(part[inside], expected[inside])
+        assert not part[~inside].any()
+        parts.append(part)
+        with pytest.raises(IndexError, match="token id 320 is outside the vocabulary"):
+            embedding(torch.tensor([[1, 320]]))
+    assert torch.equal(parts[0] + parts[1], expected)
+
+
+@pytest.mark.parametrize(
+    ("change", "splits"),
+    [
+        ("none", True),
+        ("max_norm", False),
+        ("own_forward", False),
+        ("not_in_plan", False),
+    ],
+)
+def test_an_embedding_splits_only_where_each_id_is_looked_up_alone(
+    change: str, splits: bool
+) -> None:
+    model = tiny_generic_model("qwen3_moe")  # untied: the head need not split with it
+    embedding = model.get_input_embeddings()
+    if change == "max_norm":
+        embedding.max_norm = 1.0
+    elif change == "own_forward":
+        embedding.__class__ = type("Mixing", (nn.Embedding,), {"forward": lambda self, x: x})
+    elif change == "not_in_plan":
+        model._tp_plan = {k: v for k, v in model._tp_plan.items() if "embed" not in k}
+    assert embedding_splits(model, 2, head_splits=False) == splits
+    assert not embedding_splits(model, 3, head_splits=False)  # 3 does not divide 320
+
+
+def test_a_tied_embedding_splits_only_with_its_head() -> None:
+    model = tiny_generic_model("gemma3")
+    assert embedding_splits(model, 2, head_splits=True)
+    assert not embedding_splits(model, 2, head_splits=False)

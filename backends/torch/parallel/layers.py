@@ -81,22 +81,35 @@ class VocabParallelEmbedding:
 
 
 class EmbeddingRows:
-    """Hooks making an HF embedding that holds the vocabulary rows `[start, start + rows)`
-    vocabulary-parallel: `before` turns the ids into row indices (those outside into 0),
-    `after` zeros their rows of the output and sums the ranks' outputs. Exact: each id's row
-    comes from one rank, and adding zeros changes no value."""
+    """Hooks making an HF embedding that holds the vocabulary rows `[start, start + rows)` of
+    `vocab_size` vocabulary-parallel: `before` turns the ids into row indices (those outside
+    into 0), `after` zeros their rows of the output and sums the ranks' outputs. Exact: each
+    id's row comes from one rank, and adding zeros changes no value. An id outside the whole
+    vocabulary raises on every rank alike (they see the same ids), before any collective, as
+    the whole embedding's lookup would."""
 
-    def __init__(self, embedding: nn.Embedding, start: int) -> None:
-        self.start, self.rows = start, embedding.num_embeddings
+    def __init__(self, embedding: nn.Embedding, start: int, vocab_size: int) -> None:
+        self.start, self.rows, self.vocab_size = start, embedding.num_embeddings, vocab_size
         self._outside: torch.Tensor | None = None
-        embedding.register_forward_pre_hook(self.before)
+        embedding.register_forward_pre_hook(self.before, with_kwargs=True)
         embedding.register_forward_hook(self.after)
 
-    def before(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        ids, *rest = args
+    def before(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        key = next((k for k in ("input", "input_ids") if k in kwargs), None)
+        ids: torch.Tensor = kwargs[key] if key is not None else args[0]
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bool(bad.any()):
+            raise IndexError(
+                f"token id {int(ids[bad][0])} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
         local = ids - self.start
         self._outside = (local < 0) | (local >= self.rows)
-        return (local.masked_fill(self._outside, 0), *rest)
+        local = local.masked_fill(self._outside, 0)
+        if key is not None:
+            return args, {**kwargs, key: local}
+        return (local, *args[1:]), kwargs
 
     def after(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         outside, self._outside = self._outside, None

@@ -84,7 +84,7 @@ class RankBackend(TorchBackend):
             if plan.split_embedding:
                 embedding = model.get_input_embeddings()
                 assert isinstance(embedding, nn.Embedding)  # tp_plan.embedding_splits
-                EmbeddingRows(embedding, plan.vocab.start)
+                EmbeddingRows(embedding, plan.vocab.start, plan.dims.vocab_size)
 
     def _placement(self) -> RankPlacement | None:
         return RankPlacement(self.plan) if isinstance(self.plan, ShardPlan) else None

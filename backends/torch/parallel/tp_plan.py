@@ -14,9 +14,9 @@ runs each style's inference forward:
   own heads: no collective in the forward), and the gathered styles `colwise_gather_output`,
   `colwise_rep`, `rowwise_split_input`, `rowwise_rep`, whose split-then-gather (or
   split-then-reduce) forward computes the whole product: computed whole, it is the same one;
-- whole on every rank too, as transformers and vLLM leave them: every module the plan does not
-  name (the embedding, the norms, MoE routers and experts; transformers 5 names experts only in
-  `base_model_ep_plan`, for expert parallelism).
+- whole on every rank too: every module the plan does not name (the norms, MoE routers and
+  experts; transformers 5 names experts only in `base_model_ep_plan`, for expert parallelism),
+  and the LM head and the embedding where they do not split (below).
 
 The LM head is the CausalLM class's own plan (`_tp_plan`, `lm_head: colwise_gather_output`):
 where it names it so, the head is a plain `nn.Linear` and N divides the vocabulary, each rank
@@ -27,7 +27,8 @@ is 168M of its 268M parameters, that head is most of a decode step's work; compu
 every rank, tensor parallelism would split only the rest.
 
 The embedding is the model's plan too (the instance's `_tp_plan`, `<embedding>:
-embedding_rowwise`): where it names it so, the embedding is an `nn.Embedding` looking each id
+embedding_rowwise`, which transformers adds for a base model with an `embed_tokens` and a
+plan): where it names it so, the embedding is an `nn.Embedding` looking each id
 up alone (its own forward, or Gemma's scaled one), N divides its rows and a tied head splits
 with it, each rank holds the same `V / N` rows as its head, looks up the ids inside them (zeros
 for the others) and one all-reduce sums the parts (layers.py `EmbeddingRows`), as the native
@@ -147,8 +148,9 @@ class GenericPlan:
 
     @property
     def vocab(self) -> range:
-        """The vocabulary rows this rank's LM head computes and, where it splits, its
-        embedding holds (both whole where they do not)."""
+        """The vocabulary rows this rank's split LM head computes and its split embedding
+        holds (the whole vocabulary where neither splits; a head or embedding that does not
+        split holds every row whatever this says)."""
         return self._part(self.dims.vocab_size, self.split_vocab or self.split_embedding)
 
     def local_config(self, config: PretrainedConfig) -> PretrainedConfig:
