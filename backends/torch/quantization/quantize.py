@@ -279,6 +279,20 @@ def _silu_mul(gate: QuantizedWeight, up: QuantizedWeight) -> Callable[[torch.Ten
     return run
 
 
+def _measured_rows(
+    linears: Sequence[Any],
+    copies: dict[str, QuantizedWeight],
+    lm_head: Linear,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[int, int, float | None]:
+    """(the layers' R, the LM head's R, the layers' speedup at their R where it was timed)."""
+    timed: dict[int, float] = {}
+    layer_rows = measure_max_rows(_all_pairs(linears, copies), device, dtype, speedups=timed)
+    head_rows = measure_max_rows([linear_pair(lm_head, copies["lm_head"])], device, dtype)
+    return layer_rows, head_rows, timed.get(layer_rows)
+
+
 def quantize_linears(
     hf_model: PreTrainedModel,
     config: TorchBackendConfig,
@@ -309,17 +323,14 @@ def quantize_linears(
     if fixed is not None:
         layer_rows = head_rows = fixed
     else:  # once per loaded model and layout: every arm serving it takes the same weights
-        timed: dict[int, float] = {}  # the layers' speedup at each row count timed
-        layer_rows, head_rows = _shared(
+        # NOTE: the layers' speedup at R comes with R from the one measurement that chose it
+        layer_rows, head_rows, timed = _shared(
             hf_model, ("max_rows", mode, str(device), dtype, layout),
-            lambda: (
-                measure_max_rows(_all_pairs(linears, copies), device, dtype, speedups=timed),
-                measure_max_rows([linear_pair(lm_head, copies["lm_head"])], device, dtype),
-            ),
+            lambda: _measured_rows(linears, copies, lm_head, device, dtype),
         )  # fmt: skip
-        if layer_rows in timed:  # NOTE: the measurement that chose R timed it: none again
+        if layer_rows > 0 and timed is not None:
             _shared(hf_model, ("speedup", mode, str(device), dtype, layout, layer_rows),
-                    lambda: timed[layer_rows])  # fmt: skip
+                    lambda: timed)  # fmt: skip
     speedup = 1.0
     if layer_rows > 0:
         speedup = _shared(
