@@ -51,6 +51,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -346,9 +347,20 @@ def _pooled_metrics(runs: list[RunRecord], cfg: BenchConfig) -> dict[tuple[str, 
             [r for run in group for r in run.results],
             sum(run.outcome.duration_s for run in group),
             cfg.slo,
+            _summed(run.metrics.get("client_cpu_s") for run in group),
         )
         for key, group in groups.items()
     }
+
+
+def _summed(values: Iterable[float | None]) -> float | None:
+    """The sum of `values`, None if any is None (a run that measured none)."""
+    out = 0.0
+    for value in values:
+        if value is None:
+            return None
+        out += value
+    return out
 
 
 def _rate(rate: float | str) -> str:

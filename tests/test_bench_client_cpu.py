@@ -60,6 +60,8 @@ def client_cpu(monkeypatch: pytest.MonkeyPatch, out: Path, waste: Any) -> float:
 def test_the_run_reports_the_clients_own_cpu_seconds(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    BURNT.clear()
+    client_cpu(monkeypatch, tmp_path / "warm", sleep)  # the process's first-use costs
     slept = client_cpu(monkeypatch, tmp_path / "slept", sleep)
     burnt = client_cpu(monkeypatch, tmp_path / "burnt", burn)
     [got] = BURNT
