@@ -72,12 +72,24 @@ class VocabParallelEmbedding:
         self.start = start
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        local = input_ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])  # (N,)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)  # (N, H)
-        hidden.masked_fill_(outside[:, None], 0.0)
-        dist.all_reduce(hidden)
-        return hidden
+        local, outside = local_rows(input_ids, self.start, self.weight.shape[0])  # (N,)
+        return summed_rows(F.embedding(local, self.weight), outside)  # (N, H)
+
+
+def local_rows(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`ids` as indices into the rows `[start, start + rows)`, 0 for the ids outside them;
+    which ids are outside)."""
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    return local.masked_fill(outside, 0), outside
+
+
+def summed_rows(hidden: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+    """`hidden` (one row per id) with the rows of the ids `outside` zeroed, summed over the
+    ranks in place: each id's row then comes from the one rank that holds it."""
+    hidden.masked_fill_(outside[..., None], 0.0)
+    dist.all_reduce(hidden)
+    return hidden
 
 
 class EmbeddingRows:
@@ -104,9 +116,7 @@ class EmbeddingRows:
             raise IndexError(
                 f"token id {int(ids[bad][0])} is outside the vocabulary (0..{self.vocab_size - 1})"
             )
-        local = ids - self.start
-        self._outside = (local < 0) | (local >= self.rows)
-        local = local.masked_fill(self._outside, 0)
+        local, self._outside = local_rows(ids, self.start, self.rows)
         if key is not None:
             return args, {**kwargs, key: local}
         return (local, *args[1:]), kwargs
@@ -114,9 +124,7 @@ class EmbeddingRows:
     def after(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         outside, self._outside = self._outside, None
         assert outside is not None, "the embedding ran without its pre-hook"
-        output = output.masked_fill(outside[..., None], 0.0)
-        dist.all_reduce(output)
-        return output
+        return summed_rows(output, outside)
 
 
 def all_reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
