@@ -163,22 +163,17 @@ class RankBackend(TorchBackend):
             "num_kv_heads": self.kv_cache.layout.num_kv_heads,
             "first_kv_head": self.plan.kv_heads.start,
             "num_heads": len(self.plan.q_heads),
-            "vocab_rows": self._head_rows(),
-            "embedding_rows": self._embedding_rows(),
+            "vocab_rows": self._vocab_rows(self.hf_model.get_output_embeddings()),
+            "embedding_rows": self._vocab_rows(self.hf_model.get_input_embeddings()),
         }
 
-    def _head_rows(self) -> int:
-        """The vocabulary rows this rank's LM head computes (read off the module)."""
+    def _vocab_rows(self, module: nn.Module) -> int:
+        """The vocabulary rows this rank's LM head or embedding `module` holds: read off the
+        module on the generic path (it splits only where its plan allows), the plan's on the
+        native one."""
         if isinstance(self.plan, GenericPlan):
-            head = self.hf_model.get_output_embeddings()
-            return int(head.weight.shape[0])
-        return self.plan.vocab.stop - self.plan.vocab.start
-
-    def _embedding_rows(self) -> int:
-        """The vocabulary rows this rank's embedding holds (read off the module)."""
-        if isinstance(self.plan, GenericPlan):
-            return int(self.hf_model.get_input_embeddings().weight.shape[0])
-        return self.plan.vocab.stop - self.plan.vocab.start
+            return int(module.weight.shape[0])
+        return len(self.plan.vocab)
 
     def free(self) -> None:
         """Drop this rank's KV cache (the weights go with the object)."""
