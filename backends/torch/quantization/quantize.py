@@ -320,22 +320,20 @@ def quantize_linears(
     fixed = config.quantization_max_rows
     began = time.monotonic()
     layout = tuple(lin.gate_up is not None for lin in linears)
+    timed: float | None = None  # the layers' speedup at R, where the measurement of R gave it
     if fixed is not None:
         layer_rows = head_rows = fixed
     else:  # once per loaded model and layout: every arm serving it takes the same weights
-        # NOTE: the layers' speedup at R comes with R from the one measurement that chose it
         layer_rows, head_rows, timed = _shared(
             hf_model, ("max_rows", mode, str(device), dtype, layout),
             lambda: _measured_rows(linears, copies, lm_head, device, dtype),
         )  # fmt: skip
-        if layer_rows > 0 and timed is not None:
-            _shared(hf_model, ("speedup", mode, str(device), dtype, layout, layer_rows),
-                    lambda: timed)  # fmt: skip
     speedup = 1.0
     if layer_rows > 0:
         speedup = _shared(
             hf_model, ("speedup", mode, str(device), dtype, layout, layer_rows),
-            lambda: measure_speedup(_all_pairs(linears, copies), layer_rows, device, dtype),
+            lambda: timed if timed is not None
+            else measure_speedup(_all_pairs(linears, copies), layer_rows, device, dtype),
         )  # fmt: skip
     aten = kernels  # torch's weight-only ops are named in kernels.py
     ops = []
