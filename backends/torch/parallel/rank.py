@@ -171,8 +171,9 @@ class RankBackend(TorchBackend):
         """The vocabulary rows this rank's LM head or embedding `module` holds: read off the
         module on the generic path (it splits only where its plan allows), the plan's on the
         native one."""
-        if isinstance(self.plan, GenericPlan):
-            return int(module.weight.shape[0])
+        weight = module.weight
+        if isinstance(self.plan, GenericPlan) and isinstance(weight, torch.Tensor):
+            return int(weight.shape[0])
         return len(self.plan.vocab)
 
     def free(self) -> None:
